@@ -1,0 +1,28 @@
+//! # candle-attention
+//!
+//! PyTorch-exact attention layers for [Candle](https://github.com/huggingface/candle),
+//! proven equal to PyTorch on safetensors fixtures that PyTorch exported.
+//!
+//! - [`scaled_dot_product_attention`]: `torch.nn.functional.scaled_dot_product_attention`,
+//!   argument by argument (masks, `is_causal`, `scale`, `enable_gqa`, fully masked rows → 0).
+//! - [`AttnMask`]: masks whose polarity is fixed by their constructor.
+//! - [`MultiheadAttention`]: `torch.nn.MultiheadAttention`, loaded from its `state_dict` names.
+//! - [`ScaledDotProductAttention`], [`MultiHeadAttention`], [`CausalAttention`]: the three
+//!   modules of the reference notes, done right.
+//! - [`fixture`]: the runner that checks a layer against a PyTorch fixture file.
+//!
+//! Every layer implements [`candle_nn::Module`] and runs on any candle device.
+extern crate candle_core as candle;
+pub mod fixture;
+pub(crate) mod kernels;
+pub mod mask;
+pub mod mha;
+pub mod notes;
+pub mod proj;
+pub mod sdpa;
+
+pub use mask::{AttnMask, CausalAlign, CausalRule};
+pub use mha::{MhaArgs, MultiheadAttention, MultiheadAttentionConfig};
+pub use notes::{AttentionConfig, CausalAttention, MultiHeadAttention, ProjNames, ScaledDotProductAttention};
+pub use proj::Proj;
+pub use sdpa::{scaled_dot_product_attention, sdpa, Backend, SdpaOptions, SdpaOutput};

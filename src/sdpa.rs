@@ -1,0 +1,353 @@
+//! Functional scaled dot-product attention with the semantics of PyTorch's
+//! `torch.nn.functional.scaled_dot_product_attention` (torch >= 2.5).
+//!
+//! ```text
+//! out = softmax(q · kᵀ · scale + mask) · v
+//! ```
+//!
+//! Shapes: `q (…, Hq, L, E)`, `k (…, Hkv, S, E)`, `v (…, Hkv, S, Ev)` → `(…, Hq, L, Ev)`,
+//! with any number of leading batch dims (none included). Inputs of rank 2,
+//! `(L, E)`, are a single head.
+//!
+//! Differences from a hand-written `softmax(q kᵀ) v`:
+//! - rows whose keys are all masked give 0 (PyTorch's "safe softmax"), never NaN;
+//! - f16/bf16 inputs compute scores, softmax and the weighted sum in f32, and
+//!   return the input dtype;
+//! - `is_causal` is aligned top-left, like PyTorch; [`AttnMask::causal_bottom_right`]
+//!   gives the alignment a KV cache needs.
+use candle::{DType, Device, Result, Tensor, D};
+
+use crate::mask::AttnMask;
+
+/// Which implementation computes the attention.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// The fastest path that supports the call; the reference path otherwise.
+    #[default]
+    Auto,
+    /// The unfused matmul → softmax → matmul path in candle ops: the oracle,
+    /// available on every device.
+    Reference,
+    /// The fused CPU kernel ([`crate::kernels::cpu`]); an error if the call is
+    /// not one it supports.
+    Fused,
+}
+
+/// Options of [`scaled_dot_product_attention`], named after PyTorch's arguments.
+#[derive(Clone, Debug, Default)]
+pub struct SdpaOptions {
+    /// `attn_mask`, typed so that its polarity is explicit. Broadcasts to `(…, Hq, L, S)`.
+    pub mask: Option<AttnMask>,
+    /// `is_causal`: top-left aligned causal mask, `tril(ones(L, S))`. Combines with `mask`
+    /// (PyTorch rejects both at once; here both apply).
+    pub is_causal: bool,
+    /// `scale`: multiplier of `q · kᵀ`; default `1 / sqrt(E)`.
+    pub scale: Option<f64>,
+    /// `enable_gqa`: query head `h` uses key/value head `h / (Hq / Hkv)`.
+    pub enable_gqa: bool,
+    /// Also return the attention weights `(…, Hq, L, S)` (forces the reference path).
+    pub need_weights: bool,
+    /// Which implementation to use.
+    pub backend: Backend,
+}
+
+impl SdpaOptions {
+    /// Options with every PyTorch default.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets `attn_mask`.
+    pub fn with_mask(mut self, mask: AttnMask) -> Self {
+        self.mask = Some(mask);
+        self
+    }
+    /// Sets `is_causal`.
+    pub fn with_causal(mut self, is_causal: bool) -> Self {
+        self.is_causal = is_causal;
+        self
+    }
+    /// Sets `scale`.
+    pub fn with_scale(mut self, scale: f64) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+    /// Sets `enable_gqa`.
+    pub fn with_gqa(mut self, enable_gqa: bool) -> Self {
+        self.enable_gqa = enable_gqa;
+        self
+    }
+    /// Asks for the attention weights too.
+    pub fn with_weights(mut self, need_weights: bool) -> Self {
+        self.need_weights = need_weights;
+        self
+    }
+    /// Picks the implementation.
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+}
+
+/// Result of [`scaled_dot_product_attention`].
+#[derive(Clone, Debug)]
+pub struct SdpaOutput {
+    /// `(…, Hq, L, Ev)`, in the input dtype.
+    pub output: Tensor,
+    /// `(…, Hq, L, S)`, in the input dtype, when asked for.
+    pub weights: Option<Tensor>,
+}
+
+/// Validated dimensions of one call.
+#[derive(Clone, Debug)]
+pub(crate) struct Dims {
+    /// Leading batch dims of the inputs.
+    pub lead: Vec<usize>,
+    /// Product of `lead`.
+    pub n: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub l: usize,
+    pub s: usize,
+    pub e: usize,
+    pub ev: usize,
+    /// Inputs were `(L, E)`: no head dim.
+    pub headless: bool,
+}
+
+impl Dims {
+    /// Shape of the scores in the caller's layout: `(…, Hq, L, S)`.
+    pub fn score_shape(&self) -> Vec<usize> {
+        let mut s = self.lead.clone();
+        if !self.headless {
+            s.push(self.hq);
+        }
+        s.extend([self.l, self.s]);
+        s
+    }
+    fn out_shape(&self, last: usize) -> Vec<usize> {
+        let mut s = self.lead.clone();
+        if !self.headless {
+            s.push(self.hq);
+        }
+        s.extend([self.l, last]);
+        s
+    }
+}
+
+pub(crate) fn check_dims(q: &Tensor, k: &Tensor, v: &Tensor, enable_gqa: bool) -> Result<Dims> {
+    let (qs, ks, vs) = (q.dims(), k.dims(), v.dims());
+    let r = qs.len();
+    if r < 2 {
+        candle::bail!("sdpa: query must have shape (…, Hq, L, E) or (L, E), got {qs:?}")
+    }
+    if ks.len() != r || vs.len() != r {
+        candle::bail!(
+            "sdpa: query, key and value must have the same rank, got query {qs:?}, key {ks:?}, value {vs:?}"
+        )
+    }
+    let dt = q.dtype();
+    if !dt.is_float() {
+        candle::bail!("sdpa: query must be a float tensor, got {dt:?}")
+    }
+    if k.dtype() != dt || v.dtype() != dt {
+        candle::bail!(
+            "sdpa: query, key and value must share a dtype, got query {dt:?}, key {:?}, value {:?}",
+            k.dtype(),
+            v.dtype()
+        )
+    }
+    if !q.device().same_device(k.device()) || !q.device().same_device(v.device()) {
+        candle::bail!("sdpa: query, key and value must be on the same device")
+    }
+    let headless = r == 2;
+    let nlead = r.saturating_sub(3);
+    if qs[..nlead] != ks[..nlead] || qs[..nlead] != vs[..nlead] {
+        candle::bail!(
+            "sdpa: batch dims differ: query {qs:?}, key {ks:?}, value {vs:?} (batch dims are all but the last 3)"
+        )
+    }
+    let (l, e) = (qs[r - 2], qs[r - 1]);
+    let (s, ek) = (ks[r - 2], ks[r - 1]);
+    let (sv, ev) = (vs[r - 2], vs[r - 1]);
+    let (hq, hkv, hv) = if headless {
+        (1, 1, 1)
+    } else {
+        (qs[r - 3], ks[r - 3], vs[r - 3])
+    };
+    if ek != e {
+        candle::bail!(
+            "sdpa: query and key must share the embedding dim E (last dim), got query {qs:?}, key {ks:?}"
+        )
+    }
+    if sv != s {
+        candle::bail!("sdpa: key and value must share the sequence dim S, got key {ks:?}, value {vs:?}")
+    }
+    if hv != hkv {
+        candle::bail!("sdpa: key and value must have the same number of heads, got key {ks:?}, value {vs:?}")
+    }
+    if enable_gqa {
+        if hkv == 0 || hq % hkv != 0 {
+            candle::bail!(
+                "sdpa: with enable_gqa the query heads ({hq}) must be a multiple of the key/value heads ({hkv}); \
+                 query {qs:?}, key {ks:?}"
+            )
+        }
+    } else if hq != hkv {
+        candle::bail!(
+            "sdpa: query has {hq} heads but key/value have {hkv}; set enable_gqa for grouped-query attention \
+             (query {qs:?}, key {ks:?})"
+        )
+    }
+    let lead = qs[..nlead].to_vec();
+    let n = lead.iter().product();
+    Ok(Dims {
+        lead,
+        n,
+        hq,
+        hkv,
+        l,
+        s,
+        e,
+        ev,
+        headless,
+    })
+}
+
+/// The dtype in which scores and softmax are computed: f32 for f16/bf16.
+pub(crate) fn compute_dtype(dt: DType) -> DType {
+    match dt {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// Scaled dot-product attention, argument for argument PyTorch's
+/// `F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p=0, is_causal, scale, enable_gqa)`.
+///
+/// - `q`: `(…, Hq, L, E)`; `k`: `(…, Hkv, S, E)`; `v`: `(…, Hkv, S, Ev)`.
+/// - Returns `(…, Hq, L, Ev)` in the input dtype, and the weights `(…, Hq, L, S)` when
+///   [`SdpaOptions::need_weights`] is set.
+///
+/// ```
+/// use candle_core::{Device, Tensor, DType};
+/// use candle_attention::{scaled_dot_product_attention, SdpaOptions};
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (2, 4, 5, 8), &dev)?;
+/// let k = Tensor::randn(0f32, 1., (2, 4, 7, 8), &dev)?;
+/// let v = Tensor::randn(0f32, 1., (2, 4, 7, 3), &dev)?;
+/// let out = scaled_dot_product_attention(&q, &k, &v, &SdpaOptions::new().with_causal(true))?;
+/// assert_eq!(out.output.dims(), &[2, 4, 5, 3]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn scaled_dot_product_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &SdpaOptions,
+) -> Result<SdpaOutput> {
+    let dims = check_dims(q, k, v, opts.enable_gqa)?;
+    let mut mask = opts.mask.clone().unwrap_or_default();
+    if opts.is_causal {
+        mask = mask.and(&AttnMask::causal());
+    }
+    let scale = opts.scale.unwrap_or(1.0 / (dims.e as f64).sqrt());
+    // Validate the mask against the score shape on every path.
+    let score_shape = dims.score_shape();
+    let explicit = mask.explicit_additive(&score_shape, compute_dtype(q.dtype()))?;
+    match select_backend(q, &dims, opts)? {
+        Path::Reference => reference(q, k, v, &mask, &dims, scale, opts.need_weights),
+        Path::Fused => crate::kernels::dispatch_fused(q, k, v, explicit.as_ref(), &mask, &dims, scale),
+    }
+}
+
+/// [`scaled_dot_product_attention`] without the weights: `(…, Hq, L, Ev)`.
+pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<Tensor> {
+    let opts = SdpaOptions {
+        need_weights: false,
+        ..opts.clone()
+    };
+    Ok(scaled_dot_product_attention(q, k, v, &opts)?.output)
+}
+
+enum Path {
+    Reference,
+    Fused,
+}
+
+fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions) -> Result<Path> {
+    match opts.backend {
+        Backend::Reference => Ok(Path::Reference),
+        Backend::Auto => Ok(
+            if !opts.need_weights && crate::kernels::fused_supports(q.device(), q.dtype(), dims) {
+                Path::Fused
+            } else {
+                Path::Reference
+            },
+        ),
+        Backend::Fused => {
+            if opts.need_weights {
+                candle::bail!(
+                    "sdpa: the fused backend does not return attention weights; use Backend::Reference"
+                )
+            }
+            if !crate::kernels::fused_supports(q.device(), q.dtype(), dims) {
+                candle::bail!(
+                    "sdpa: no fused kernel for dtype {:?} on {:?} (the fused CPU kernel takes f32, f16 and bf16 on CPU)",
+                    q.dtype(),
+                    q.device().location()
+                )
+            }
+            Ok(Path::Fused)
+        }
+    }
+}
+
+/// Softmax over the last dim where a row of `-inf` gives zeros instead of NaN.
+pub(crate) fn safe_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?;
+    let dead = m.eq(f64::NEG_INFINITY)?;
+    let m = dead.where_cond(&m.zeros_like()?, &m)?;
+    let e = x.broadcast_sub(&m)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    let sum = sum.eq(0f64)?.where_cond(&sum.ones_like()?, &sum)?;
+    e.broadcast_div(&sum)
+}
+
+/// The unfused oracle: matmul → masked safe softmax → matmul, in candle ops.
+fn reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    dims: &Dims,
+    scale: f64,
+    need_weights: bool,
+) -> Result<SdpaOutput> {
+    let (n, hq, hkv, l, s, e, ev) = (dims.n, dims.hq, dims.hkv, dims.l, dims.s, dims.e, dims.ev);
+    let dt = q.dtype();
+    let cd = compute_dtype(dt);
+    let dev: &Device = q.device();
+    let g = hq / hkv.max(1);
+    // Query heads of one GQA group are adjacent: (N, Hkv, g·L, E) shares each K/V head.
+    let q = q.to_dtype(cd)?.reshape((n, hkv, g * l, e))?;
+    let k = k.to_dtype(cd)?.reshape((n, hkv, s, e))?;
+    let v = v.to_dtype(cd)?.reshape((n, hkv, s, ev))?;
+    let scores = q.matmul(&k.t()?)?.affine(scale, 0.0)?.reshape((n, hq, l, s))?;
+    let score_shape = dims.score_shape();
+    let scores = match mask.to_additive(&score_shape, cd, dev)? {
+        None => scores,
+        Some(m) => {
+            let m = m.broadcast_as(score_shape.as_slice())?.reshape((n, hq, l, s))?;
+            (scores + m)?
+        }
+    };
+    let p = safe_softmax_last_dim(&scores)?;
+    let out = p.reshape((n, hkv, g * l, s))?.matmul(&v)?;
+    let output = out.reshape(dims.out_shape(ev))?.to_dtype(dt)?;
+    let weights = if need_weights {
+        Some(p.reshape(score_shape)?.to_dtype(dt)?)
+    } else {
+        None
+    };
+    Ok(SdpaOutput { output, weights })
+}
