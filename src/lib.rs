@@ -3,13 +3,13 @@
 //! PyTorch-exact attention layers for [Candle](https://github.com/huggingface/candle),
 //! proven equal to PyTorch on safetensors fixtures that PyTorch exported.
 //!
-//! - [`scaled_dot_product_attention`]: `torch.nn.functional.scaled_dot_product_attention`,
+//! - [`scaled_dot_product_attention`] is `torch.nn.functional.scaled_dot_product_attention`,
 //!   argument by argument (masks, `is_causal`, `scale`, `enable_gqa`, fully masked rows → 0).
-//! - [`AttnMask`]: masks whose polarity is fixed by their constructor.
-//! - [`MultiheadAttention`]: `torch.nn.MultiheadAttention`, loaded from its `state_dict` names.
-//! - [`ScaledDotProductAttention`], [`MultiHeadAttention`], [`CausalAttention`]: the three
-//!   modules of the reference notes, done right.
-//! - [`fixture`]: the runner that checks a layer against a PyTorch fixture file.
+//! - [`AttnMask`] is a mask whose polarity is fixed by its constructor.
+//! - [`MultiheadAttention`] is `torch.nn.MultiheadAttention`, loaded from its `state_dict` names.
+//! - [`ScaledDotProductAttention`], [`MultiHeadAttention`] and [`CausalAttention`] are the
+//!   three modules of the reference notes, done right.
+//! - [`fixture`] is the runner that checks a layer against a PyTorch fixture file.
 //!
 //! Every layer implements [`candle_nn::Module`] and runs on any candle device.
 extern crate candle_core as candle;

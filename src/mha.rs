@@ -142,7 +142,7 @@ impl MultiheadAttention {
         let cfg = cfg.clone();
         let e = cfg.embed_dim;
         let h = cfg.num_heads;
-        if e == 0 || h == 0 || e % h != 0 {
+        if e == 0 || h == 0 || !e.is_multiple_of(h) {
             candle::bail!(
                 "MultiheadAttention: embed_dim ({e}) must be a positive multiple of num_heads ({h})"
             )

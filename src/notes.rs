@@ -168,7 +168,7 @@ impl MultiHeadAttention {
 
     fn load(cfg: &AttentionConfig, vb: VarBuilder, causal: bool) -> Result<Self> {
         let (d, h) = (cfg.d_model, cfg.n_heads);
-        if d == 0 || h == 0 || d % h != 0 {
+        if d == 0 || h == 0 || !d.is_multiple_of(h) {
             candle::bail!("attention: d_model ({d}) must be a positive multiple of n_heads ({h})")
         }
         let lin = |name: &str| Proj::load_linear(d, d, true, vb.pp(name));

@@ -186,7 +186,7 @@ pub(crate) fn check_dims(q: &Tensor, k: &Tensor, v: &Tensor, enable_gqa: bool) -
         candle::bail!("sdpa: key and value must have the same number of heads, got key {ks:?}, value {vs:?}")
     }
     if enable_gqa {
-        if hkv == 0 || hq % hkv != 0 {
+        if hkv == 0 || !hq.is_multiple_of(hkv) {
             candle::bail!(
                 "sdpa: with enable_gqa the query heads ({hq}) must be a multiple of the key/value heads ({hkv}); \
                  query {qs:?}, key {ks:?}"
@@ -254,6 +254,15 @@ pub fn scaled_dot_product_attention(
     // Validate the mask against the score shape on every path.
     let score_shape = dims.score_shape();
     let explicit = mask.explicit_additive(&score_shape, compute_dtype(q.dtype()))?;
+    if dims.s == 0 || dims.l == 0 || dims.n == 0 || dims.hq == 0 {
+        // No keys: every row is fully masked and gives 0 (PyTorch: an empty matmul).
+        let output = Tensor::zeros(dims.out_shape(dims.ev), q.dtype(), q.device())?;
+        let weights = match opts.need_weights {
+            true => Some(Tensor::zeros(score_shape, q.dtype(), q.device())?),
+            false => None,
+        };
+        return Ok(SdpaOutput { output, weights });
+    }
     match select_backend(q, &dims, opts)? {
         Path::Reference => reference(q, k, v, &mask, &dims, scale, opts.need_weights),
         Path::Fused => crate::kernels::dispatch_fused(q, k, v, explicit.as_ref(), &mask, &dims, scale),

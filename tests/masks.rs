@@ -1,0 +1,233 @@
+//! Mask semantics: every way of writing the same mask gives the same output.
+mod common;
+use candle_attention::{sdpa, AttnMask, CausalAlign, SdpaOptions};
+use candle_core::{DType, Device, Result, Tensor};
+use common::{err_msg, max_diff, randn};
+
+fn qkv(b: usize, h: usize, l: usize, s: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    Ok((
+        randn(&[b, h, l, 8])?,
+        randn(&[b, h, s, 8])?,
+        randn(&[b, h, s, 6])?,
+    ))
+}
+
+fn run(q: &Tensor, k: &Tensor, v: &Tensor, mask: AttnMask) -> Result<Tensor> {
+    sdpa(q, k, v, &SdpaOptions::new().with_mask(mask))
+}
+
+/// A random keep mask (u8, 1 = attend) with at least one visible key per row.
+fn random_keep(shape: &[usize]) -> Result<Tensor> {
+    let u = Tensor::rand(0f32, 1f32, shape, &Device::Cpu)?;
+    let keep = u.ge(0.4f32)?;
+    // Force the first key visible so no row is fully masked.
+    let s = *shape.last().unwrap();
+    let first = Tensor::cat(
+        &[
+            Tensor::ones(&shape[..shape.len() - 1], DType::U8, &Device::Cpu)?.unsqueeze(shape.len() - 1)?,
+            Tensor::zeros(
+                [&shape[..shape.len() - 1], &[s - 1]].concat(),
+                DType::U8,
+                &Device::Cpu,
+            )?,
+        ],
+        shape.len() - 1,
+    )?;
+    keep.maximum(&first)
+}
+
+#[test]
+fn keep_ignore_and_additive_agree() -> Result<()> {
+    let (q, k, v) = qkv(2, 3, 5, 7)?;
+    let keep = random_keep(&[2, 3, 5, 7])?;
+    let ignore = keep.eq(0u8)?;
+    let additive = keep.where_cond(
+        &Tensor::zeros(keep.shape(), DType::F32, &Device::Cpu)?,
+        &Tensor::full(f32::NEG_INFINITY, keep.shape(), &Device::Cpu)?,
+    )?;
+    let a = run(&q, &k, &v, AttnMask::keep(&keep)?)?;
+    let b = run(&q, &k, &v, AttnMask::ignore(&ignore)?)?;
+    let c = run(&q, &k, &v, AttnMask::additive(&additive)?)?;
+    assert_eq!(max_diff(&a, &b)?, 0.0);
+    assert!(max_diff(&a, &c)? < 1e-6);
+    // The mask matters: without it the output differs.
+    let none = sdpa(&q, &k, &v, &SdpaOptions::new())?;
+    assert!(max_diff(&a, &none)? > 1e-3);
+    Ok(())
+}
+
+#[test]
+fn key_padding_is_an_ignore_mask_over_keys() -> Result<()> {
+    let (q, k, v) = qkv(2, 3, 4, 6)?;
+    let pad = Tensor::new(&[[0u8, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1]], &Device::Cpu)?;
+    let a = run(&q, &k, &v, AttnMask::key_padding(&pad)?)?;
+    let b = run(&q, &k, &v, AttnMask::ignore(&pad.reshape((2, 1, 1, 6))?)?)?;
+    assert_eq!(max_diff(&a, &b)?, 0.0);
+    // Row 1 equals attention over its first 4 keys only.
+    let alone = sdpa(
+        &q.narrow(0, 1, 1)?,
+        &k.narrow(0, 1, 1)?.narrow(2, 0, 4)?,
+        &v.narrow(0, 1, 1)?.narrow(2, 0, 4)?,
+        &SdpaOptions::new(),
+    )?;
+    assert!(max_diff(&a.narrow(0, 1, 1)?, &alone)? < 1e-6);
+    Ok(())
+}
+
+/// An explicit `(L, S)` keep mask of `j <= i + off` (and `j > i + off - w`).
+fn band(l: usize, s: usize, off: isize, w: Option<usize>) -> Result<Tensor> {
+    let mut m = vec![0u8; l * s];
+    for i in 0..l {
+        for j in 0..s {
+            let (i, j) = (i as isize, j as isize);
+            let lo_ok = w.is_none_or(|w| j > i + off - w as isize);
+            m[(i * s as isize + j) as usize] = (j <= i + off && lo_ok) as u8;
+        }
+    }
+    Tensor::from_vec(m, (l, s), &Device::Cpu)
+}
+
+#[test]
+fn causal_alignments_equal_explicit_masks() -> Result<()> {
+    for (l, s) in [(5, 5), (3, 7), (7, 3)] {
+        let (q, k, v) = qkv(1, 2, l, s)?;
+        let tl = run(&q, &k, &v, AttnMask::causal())?;
+        assert!(max_diff(&tl, &run(&q, &k, &v, AttnMask::keep(&band(l, s, 0, None)?)?)?)? < 1e-6);
+        let flag = sdpa(&q, &k, &v, &SdpaOptions::new().with_causal(true))?;
+        assert_eq!(max_diff(&tl, &flag)?, 0.0);
+        let off = s as isize - l as isize;
+        let br = run(&q, &k, &v, AttnMask::causal_bottom_right())?;
+        assert!(max_diff(&br, &run(&q, &k, &v, AttnMask::keep(&band(l, s, off, None)?)?)?)? < 1e-6);
+        let o2 = run(&q, &k, &v, AttnMask::causal_with_offset(2))?;
+        assert!(max_diff(&o2, &run(&q, &k, &v, AttnMask::keep(&band(l, s, 2, None)?)?)?)? < 1e-6);
+        let sw = run(&q, &k, &v, AttnMask::sliding_window(2, CausalAlign::BottomRight)?)?;
+        assert!(
+            max_diff(
+                &sw,
+                &run(&q, &k, &v, AttnMask::keep(&band(l, s, off, Some(2))?)?)?
+            )? < 1e-6
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn sliding_window_lets_exactly_w_keys_through() -> Result<()> {
+    let m = AttnMask::sliding_window(3, CausalAlign::TopLeft)?;
+    let add = m.to_additive(&[6, 6], DType::F32, &Device::Cpu)?.unwrap();
+    let visible = add.eq(0f32)?.to_dtype(DType::U32)?.sum(1)?.to_vec1::<u32>()?;
+    assert_eq!(visible, vec![1, 2, 3, 3, 3, 3]);
+    Ok(())
+}
+
+#[test]
+fn masks_combine() -> Result<()> {
+    let (q, k, v) = qkv(2, 2, 5, 5)?;
+    let keep = random_keep(&[2, 1, 5, 5])?;
+    let both = AttnMask::keep(&keep)?.and(&AttnMask::causal());
+    let explicit = keep.minimum(
+        &band(5, 5, 0, None)?
+            .reshape((1, 1, 5, 5))?
+            .broadcast_as((2, 1, 5, 5))?,
+    )?;
+    let a = run(&q, &k, &v, both)?;
+    let b = run(&q, &k, &v, AttnMask::keep(&explicit)?)?;
+    assert!(max_diff(&a, &b)? < 1e-6);
+    // Two additive masks add up.
+    let m1 = randn(&[5, 5])?;
+    let m2 = randn(&[2, 1, 1, 5])?;
+    let a = run(
+        &q,
+        &k,
+        &v,
+        AttnMask::additive(&m1)?.and(&AttnMask::additive(&m2)?),
+    )?;
+    let b = run(&q, &k, &v, AttnMask::additive(&m1.broadcast_add(&m2)?)?)?;
+    assert!(max_diff(&a, &b)? < 1e-6);
+    Ok(())
+}
+
+#[test]
+fn every_broadcast_shape_matches_the_full_mask() -> Result<()> {
+    let (q, k, v) = qkv(2, 3, 4, 5)?;
+    for shape in [
+        vec![4, 5],
+        vec![1, 5],
+        vec![2, 1, 4, 5],
+        vec![1, 3, 1, 5],
+        vec![2, 3, 4, 5],
+        vec![5],
+    ] {
+        let keep = random_keep(&shape)?;
+        let full = keep
+            .reshape([vec![1; 4 - shape.len()], shape.clone()].concat())?
+            .broadcast_as((2, 3, 4, 5))?;
+        let a = run(&q, &k, &v, AttnMask::keep(&keep)?)?;
+        let b = run(&q, &k, &v, AttnMask::keep(&full.contiguous()?)?)?;
+        assert_eq!(max_diff(&a, &b)?, 0.0, "mask shape {shape:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn fully_masked_rows_give_zero() -> Result<()> {
+    let (q, k, v) = qkv(1, 2, 4, 5)?;
+    let mut keep = vec![1u8; 20];
+    keep[5..10].fill(0); // query row 1 sees nothing
+    let keep = Tensor::from_vec(keep, (4, 5), &Device::Cpu)?;
+    let opts = SdpaOptions::new()
+        .with_mask(AttnMask::keep(&keep)?)
+        .with_weights(true);
+    let out = candle_attention::scaled_dot_product_attention(&q, &k, &v, &opts)?;
+    let row = out.output.narrow(2, 1, 1)?;
+    assert_eq!(row.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?, 0.0);
+    let w = out.weights.unwrap();
+    assert_eq!(
+        w.narrow(2, 1, 1)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?,
+        0.0
+    );
+    // Other rows are normal softmax rows.
+    let sums = w.narrow(2, 0, 1)?.sum(3)?.flatten_all()?.to_vec1::<f32>()?;
+    assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-5));
+    // Causal with L > S (top-left) leaves rows with no key, and L, S = 0 edge: all zero, no NaN.
+    let (q, k, v) = qkv(1, 1, 3, 0)?;
+    let out = sdpa(&q, &k, &v, &SdpaOptions::new())?;
+    assert_eq!(out.dims(), &[1, 1, 3, 6]);
+    Ok(())
+}
+
+#[test]
+fn mask_that_cannot_broadcast_names_both_shapes() -> Result<()> {
+    let (q, k, v) = qkv(2, 3, 4, 5)?;
+    let bad = Tensor::ones((3, 5), DType::U8, &Device::Cpu)?;
+    let msg = err_msg(run(&q, &k, &v, AttnMask::keep(&bad)?));
+    assert!(msg.contains("[3, 5]") && msg.contains("[2, 3, 4, 5]"), "{msg}");
+    let too_many = Tensor::ones((1, 2, 3, 4, 5), DType::U8, &Device::Cpu)?;
+    let msg = err_msg(run(&q, &k, &v, AttnMask::keep(&too_many)?));
+    assert!(
+        msg.contains("[1, 2, 3, 4, 5]") && msg.contains("[2, 3, 4, 5]"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+#[test]
+fn mask_with_the_wrong_dtype_is_an_error() -> Result<()> {
+    let f = Tensor::zeros((4, 5), DType::F32, &Device::Cpu)?;
+    let b = Tensor::zeros((4, 5), DType::U8, &Device::Cpu)?;
+    assert!(err_msg(AttnMask::keep(&f)).contains("F32"));
+    assert!(err_msg(AttnMask::ignore(&f)).contains("F32"));
+    assert!(err_msg(AttnMask::additive(&b)).contains("U8"));
+    assert!(err_msg(AttnMask::key_padding(&Tensor::zeros(
+        (1, 2, 3),
+        DType::U8,
+        &Device::Cpu
+    )?))
+    .contains("[1, 2, 3]"));
+    assert!(err_msg(AttnMask::sliding_window(0, CausalAlign::TopLeft)).contains("at least 1"));
+    Ok(())
+}

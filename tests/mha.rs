@@ -1,0 +1,391 @@
+//! `MultiheadAttention` and the notes' modules: loading, invariances and errors.
+mod common;
+use std::collections::HashMap;
+
+use candle_attention::{
+    AttentionConfig, AttnMask, CausalAttention, MhaArgs, MultiHeadAttention, MultiheadAttention,
+    MultiheadAttentionConfig, ProjNames, ScaledDotProductAttention,
+};
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+use common::{err_msg, max_diff, randn};
+
+fn vb(tensors: Vec<(&str, Tensor)>) -> VarBuilder<'static> {
+    let map: HashMap<String, Tensor> = tensors.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    VarBuilder::from_tensors(map, DType::F32, &Device::Cpu)
+}
+
+fn mha_params(e: usize) -> Result<Vec<(&'static str, Tensor)>> {
+    Ok(vec![
+        ("in_proj_weight", (randn(&[3 * e, e])? * 0.3)?),
+        ("in_proj_bias", randn(&[3 * e])?),
+        ("out_proj.weight", (randn(&[e, e])? * 0.3)?),
+        ("out_proj.bias", randn(&[e])?),
+    ])
+}
+
+fn args<'a>() -> MhaArgs<'a> {
+    MhaArgs {
+        need_weights: false,
+        ..MhaArgs::default()
+    }
+}
+
+#[test]
+fn module_forward_is_unmasked_self_attention() -> Result<()> {
+    let cfg = MultiheadAttentionConfig {
+        batch_first: true,
+        ..MultiheadAttentionConfig::new(12, 3)
+    };
+    let mha = MultiheadAttention::new(&cfg, vb(mha_params(12)?))?;
+    let x = randn(&[2, 5, 12])?;
+    let a = mha.forward(&x)?;
+    let (b, w) = mha.forward_with(&x, &x, &x, &MhaArgs::default())?;
+    assert_eq!(max_diff(&a, &b)?, 0.0);
+    assert_eq!(w.unwrap().dims(), &[2, 5, 5]);
+    Ok(())
+}
+
+#[test]
+fn seq_first_equals_batch_first_and_unbatched() -> Result<()> {
+    let p = mha_params(12)?;
+    let bf = MultiheadAttention::new(
+        &MultiheadAttentionConfig {
+            batch_first: true,
+            ..MultiheadAttentionConfig::new(12, 3)
+        },
+        vb(p.clone()),
+    )?;
+    let sf = MultiheadAttention::new(&MultiheadAttentionConfig::new(12, 3), vb(p))?;
+    let q = randn(&[2, 5, 12])?;
+    let kv = randn(&[2, 7, 12])?;
+    let (a, wa) = bf.forward_with(&q, &kv, &kv, &MhaArgs::default())?;
+    let (b, wb) = sf.forward_with(
+        &q.transpose(0, 1)?,
+        &kv.transpose(0, 1)?,
+        &kv.transpose(0, 1)?,
+        &MhaArgs::default(),
+    )?;
+    assert!(max_diff(&a, &b.transpose(0, 1)?)? < 1e-6);
+    assert!(max_diff(&wa.unwrap(), &wb.unwrap())? < 1e-6);
+    let (u, _) = sf.forward_with(&q.get(1)?, &kv.get(1)?, &kv.get(1)?, &args())?;
+    assert!(max_diff(&u, &a.get(1)?)? < 1e-6);
+    Ok(())
+}
+
+#[test]
+fn padded_batch_equals_each_sequence_alone() -> Result<()> {
+    let cfg = MultiheadAttentionConfig {
+        batch_first: true,
+        ..MultiheadAttentionConfig::new(12, 3)
+    };
+    let mha = MultiheadAttention::new(&cfg, vb(mha_params(12)?))?;
+    let q = randn(&[2, 4, 12])?;
+    let kv = randn(&[2, 6, 12])?;
+    let kpm = Tensor::new(&[[0u8, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1]], &Device::Cpu)?;
+    let a = MhaArgs {
+        key_padding_mask: Some(&kpm),
+        need_weights: true,
+        ..MhaArgs::default()
+    };
+    let (batch, w) = mha.forward_with(&q, &kv, &kv, &a)?;
+    for (b, len) in [(0usize, 6usize), (1, 3)] {
+        let kvb = kv.narrow(0, b, 1)?.narrow(1, 0, len)?;
+        let (alone, _) = mha.forward_with(&q.narrow(0, b, 1)?, &kvb, &kvb, &args())?;
+        assert!(max_diff(&batch.narrow(0, b, 1)?, &alone)? < 1e-5, "row {b}");
+    }
+    // Padded keys get zero weight.
+    let w = w.unwrap();
+    assert_eq!(
+        w.get(1)?
+            .narrow(1, 3, 3)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?,
+        0.0
+    );
+    Ok(())
+}
+
+#[test]
+fn bool_and_float_masks_agree() -> Result<()> {
+    let cfg = MultiheadAttentionConfig {
+        batch_first: true,
+        ..MultiheadAttentionConfig::new(12, 3)
+    };
+    let mha = MultiheadAttention::new(&cfg, vb(mha_params(12)?))?;
+    let x = randn(&[2, 5, 12])?;
+    let blocked = Tensor::new(
+        &[
+            [0u8, 1, 0, 0, 1],
+            [0, 0, 0, 1, 0],
+            [1, 0, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 1, 0, 0, 0],
+        ],
+        &Device::Cpu,
+    )?;
+    let float = blocked.where_cond(
+        &Tensor::full(f32::NEG_INFINITY, (5, 5), &Device::Cpu)?,
+        &Tensor::zeros((5, 5), DType::F32, &Device::Cpu)?,
+    )?;
+    let (a, _) = mha.forward_with(
+        &x,
+        &x,
+        &x,
+        &MhaArgs {
+            attn_mask: Some(&blocked),
+            ..args()
+        },
+    )?;
+    let (b, _) = mha.forward_with(
+        &x,
+        &x,
+        &x,
+        &MhaArgs {
+            attn_mask: Some(&float),
+            ..args()
+        },
+    )?;
+    let (c, _) = mha.forward_with(&x, &x, &x, &args())?;
+    assert!(max_diff(&a, &b)? < 1e-6);
+    assert!(max_diff(&a, &c)? > 1e-3);
+    Ok(())
+}
+
+#[test]
+fn is_causal_equals_a_causal_attn_mask() -> Result<()> {
+    let cfg = MultiheadAttentionConfig {
+        batch_first: true,
+        ..MultiheadAttentionConfig::new(12, 3)
+    };
+    let mha = MultiheadAttention::new(&cfg, vb(mha_params(12)?))?;
+    let x = randn(&[2, 5, 12])?;
+    // MHA's bool mask: true = blocked, so the causal mask is the strict upper triangle.
+    let blocked: Vec<u8> = (0..25).map(|i| ((i % 5) > (i / 5)) as u8).collect();
+    let blocked = Tensor::from_vec(blocked, (5, 5), &Device::Cpu)?;
+    let (a, _) = mha.forward_with(
+        &x,
+        &x,
+        &x,
+        &MhaArgs {
+            attn_mask: Some(&blocked),
+            ..args()
+        },
+    )?;
+    let (b, _) = mha.forward_with(
+        &x,
+        &x,
+        &x,
+        &MhaArgs {
+            is_causal: true,
+            ..args()
+        },
+    )?;
+    let (c, _) = mha.forward_with(
+        &x,
+        &x,
+        &x,
+        &MhaArgs {
+            is_causal: true,
+            attn_mask: Some(&blocked),
+            ..args()
+        },
+    )?;
+    assert!(max_diff(&a, &b)? < 1e-6);
+    assert!(max_diff(&a, &c)? < 1e-6);
+    Ok(())
+}
+
+#[test]
+fn config_deserializes_with_torch_defaults() -> Result<()> {
+    let cfg: MultiheadAttentionConfig =
+        serde_json::from_str(r#"{"embed_dim": 16, "num_heads": 4, "kdim": null, "device": "cpu"}"#).unwrap();
+    assert_eq!(cfg, MultiheadAttentionConfig::new(16, 4));
+    assert!(serde_json::from_str::<MultiheadAttentionConfig>(r#"{"embed_dim": 16}"#).is_err());
+    Ok(())
+}
+
+#[test]
+fn embed_dim_must_divide_by_heads() -> Result<()> {
+    let msg = err_msg(MultiheadAttention::new(
+        &MultiheadAttentionConfig::new(10, 3),
+        vb(mha_params(10)?),
+    ));
+    assert!(msg.contains("10") && msg.contains('3'), "{msg}");
+    let msg = err_msg(MultiHeadAttention::new(&AttentionConfig::new(10, 4), vb(vec![])));
+    assert!(msg.contains("10") && msg.contains('4'), "{msg}");
+    Ok(())
+}
+
+#[test]
+fn missing_or_misshapen_weights_name_the_key_and_shapes() -> Result<()> {
+    let mut p = mha_params(8)?;
+    p.retain(|(k, _)| *k != "out_proj.bias");
+    let msg = err_msg(MultiheadAttention::new(
+        &MultiheadAttentionConfig::new(8, 2),
+        vb(p),
+    ));
+    assert!(msg.contains("out_proj.bias"), "{msg}");
+
+    let mut p = mha_params(8)?;
+    p[0] = ("in_proj_weight", randn(&[24, 7])?);
+    let msg = err_msg(MultiheadAttention::new(
+        &MultiheadAttentionConfig::new(8, 2),
+        vb(p),
+    ));
+    assert!(
+        msg.contains("in_proj_weight") && msg.contains("[24, 8]") && msg.contains("[24, 7]"),
+        "{msg}"
+    );
+
+    // kdim != embed_dim needs the separate projection keys.
+    let cfg = MultiheadAttentionConfig {
+        kdim: Some(5),
+        ..MultiheadAttentionConfig::new(8, 2)
+    };
+    let msg = err_msg(MultiheadAttention::new(&cfg, vb(mha_params(8)?)));
+    assert!(msg.contains("q_proj_weight"), "{msg}");
+
+    let msg = err_msg(MultiHeadAttention::new(&AttentionConfig::new(8, 2), vb(vec![])));
+    assert!(msg.contains("wq.weight"), "{msg}");
+    let cfg = AttentionConfig {
+        names: ProjNames::hf(),
+        ..AttentionConfig::new(8, 2)
+    };
+    let ps = vec![("q_proj.weight", randn(&[8, 8])?), ("q_proj.bias", randn(&[9])?)];
+    let msg = err_msg(MultiHeadAttention::new(&cfg, vb(ps)));
+    assert!(
+        msg.contains("q_proj.bias") && msg.contains("[8]") && msg.contains("[9]"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+#[test]
+fn bad_inputs_are_errors() -> Result<()> {
+    let mha = MultiheadAttention::new(&MultiheadAttentionConfig::new(8, 2), vb(mha_params(8)?))?;
+    let x = randn(&[5, 2, 8])?;
+    // rank
+    let msg = err_msg(mha.forward_with(&x, &x.get(0)?, &x, &args()));
+    assert!(msg.contains("[5, 2, 8]") && msg.contains("[2, 8]"), "{msg}");
+    let msg = err_msg(mha.forward(&randn(&[1, 5, 2, 8])?));
+    assert!(msg.contains("[1, 5, 2, 8]"), "{msg}");
+    // feature dim
+    let msg = err_msg(mha.forward(&randn(&[5, 2, 9])?));
+    assert!(msg.contains("[5, 2, 9]"), "{msg}");
+    // batch mismatch between query and key
+    let kv = randn(&[6, 3, 8])?;
+    let msg = err_msg(mha.forward_with(&x, &kv, &kv, &args()));
+    assert!(msg.contains("[6, 3, 8]"), "{msg}");
+    // attn_mask shape
+    let am = Tensor::zeros((4, 5), DType::U8, &Device::Cpu)?;
+    let msg = err_msg(mha.forward_with(
+        &x,
+        &x,
+        &x,
+        &MhaArgs {
+            attn_mask: Some(&am),
+            ..args()
+        },
+    ));
+    assert!(msg.contains("[4, 5]") && msg.contains("(5, 5)"), "{msg}");
+    // key_padding_mask shape
+    let kpm = Tensor::zeros((5, 2), DType::U8, &Device::Cpu)?;
+    let msg = err_msg(mha.forward_with(
+        &x,
+        &x,
+        &x,
+        &MhaArgs {
+            key_padding_mask: Some(&kpm),
+            ..args()
+        },
+    ));
+    assert!(msg.contains("[5, 2]") && msg.contains("[2, 5]"), "{msg}");
+    // notes modules
+    let l = MultiHeadAttention::new(
+        &AttentionConfig::new(8, 2),
+        vb(notes_params(&ProjNames::default(), 8)?),
+    )?;
+    let msg = err_msg(l.forward(&randn(&[2, 5, 7])?));
+    assert!(msg.contains("[2, 5, 7]"), "{msg}");
+    let msg = err_msg(ScaledDotProductAttention::new(4).forward(&randn(&[2, 5, 7])?));
+    assert!(msg.contains("[2, 5, 7]"), "{msg}");
+    Ok(())
+}
+
+fn notes_params(names: &ProjNames, d: usize) -> Result<Vec<(&'static str, Tensor)>> {
+    let mut v = Vec::new();
+    for n in [&names.q, &names.k, &names.v, &names.o] {
+        let w: &'static str = Box::leak(format!("{n}.weight").into_boxed_str());
+        let b: &'static str = Box::leak(format!("{n}.bias").into_boxed_str());
+        v.push((w, (randn(&[d, d])? * 0.3)?));
+        v.push((b, randn(&[d])?));
+    }
+    Ok(v)
+}
+
+#[test]
+fn notes_modules_attend_over_positions_per_head() -> Result<()> {
+    let names = ProjNames::hf();
+    let p = notes_params(&names, 8)?;
+    let cfg = AttentionConfig {
+        names: names.clone(),
+        ..AttentionConfig::new(8, 2)
+    };
+    let notes = MultiHeadAttention::new(&cfg, vb(p.clone()))?;
+    // The same weights as an nn.MultiheadAttention (packed in_proj) must agree.
+    let get = |k: &str| p.iter().find(|(n, _)| *n == k).map(|(_, t)| t.clone()).unwrap();
+    let mha_p = vec![
+        (
+            "in_proj_weight",
+            Tensor::cat(
+                &[get("q_proj.weight"), get("k_proj.weight"), get("v_proj.weight")],
+                0,
+            )?,
+        ),
+        (
+            "in_proj_bias",
+            Tensor::cat(&[get("q_proj.bias"), get("k_proj.bias"), get("v_proj.bias")], 0)?,
+        ),
+        ("out_proj.weight", get("o_proj.weight")),
+        ("out_proj.bias", get("o_proj.bias")),
+    ];
+    let mha = MultiheadAttention::new(
+        &MultiheadAttentionConfig {
+            batch_first: true,
+            ..MultiheadAttentionConfig::new(8, 2)
+        },
+        vb(mha_p),
+    )?;
+    let x = randn(&[2, 5, 8])?;
+    assert!(max_diff(&notes.forward(&x)?, &mha.forward(&x)?)? < 1e-5);
+    let causal = CausalAttention::new(&cfg, vb(p))?;
+    let (c, _) = mha.forward_with(
+        &x,
+        &x,
+        &x,
+        &MhaArgs {
+            is_causal: true,
+            ..args()
+        },
+    )?;
+    assert!(max_diff(&causal.forward(&x)?, &c)? < 1e-5);
+    // An extra mask combines with the causal rule.
+    let pad = Tensor::new(&[[0u8, 0, 0, 0, 0], [0, 0, 0, 1, 1]], &Device::Cpu)?;
+    let kpm = AttnMask::key_padding(&pad)?;
+    let a = causal.forward_masked(&x, &x, &x, Some(&kpm))?;
+    let (b, _) = mha.forward_with(
+        &x,
+        &x,
+        &x,
+        &MhaArgs {
+            is_causal: true,
+            key_padding_mask: Some(&pad),
+            ..args()
+        },
+    )?;
+    assert!(max_diff(&a, &b)? < 1e-5);
+    Ok(())
+}

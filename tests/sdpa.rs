@@ -1,0 +1,247 @@
+//! Functional SDPA: shapes, invariances and errors.
+mod common;
+use candle_attention::{scaled_dot_product_attention, sdpa, AttnMask, Backend, SdpaOptions};
+use candle_core::{DType, Device, Result, Tensor, D};
+use common::{err_msg, max_diff, randn};
+
+/// softmax(q kᵀ · scale) v written out for one (L, E) head, as an independent check.
+fn naive_head(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let s = (q.matmul(&k.t()?)? * scale)?;
+    let p = candle_nn::ops::softmax_last_dim(&s)?;
+    p.matmul(v)
+}
+
+#[test]
+fn matches_a_naive_softmax_per_head() -> Result<()> {
+    let (q, k, v) = (
+        randn(&[2, 3, 5, 8])?,
+        randn(&[2, 3, 7, 8])?,
+        randn(&[2, 3, 7, 4])?,
+    );
+    let out = sdpa(&q, &k, &v, &SdpaOptions::new())?;
+    for b in 0..2 {
+        for h in 0..3 {
+            let pick = |t: &Tensor| t.get(b).and_then(|t| t.get(h));
+            let want = naive_head(&pick(&q)?, &pick(&k)?, &pick(&v)?, 1.0 / 8f64.sqrt())?;
+            assert!(max_diff(&pick(&out)?, &want)? < 1e-6);
+        }
+    }
+    // scale override
+    let out = sdpa(&q, &k, &v, &SdpaOptions::new().with_scale(0.3))?;
+    let want = naive_head(&q.get(1)?.get(2)?, &k.get(1)?.get(2)?, &v.get(1)?.get(2)?, 0.3)?;
+    assert!(max_diff(&out.get(1)?.get(2)?, &want)? < 1e-6);
+    Ok(())
+}
+
+#[test]
+fn any_number_of_leading_dims() -> Result<()> {
+    let (q, k, v) = (
+        randn(&[2, 2, 3, 5, 8])?,
+        randn(&[2, 2, 3, 6, 8])?,
+        randn(&[2, 2, 3, 6, 4])?,
+    );
+    let out = sdpa(&q, &k, &v, &SdpaOptions::new().with_causal(true))?;
+    assert_eq!(out.dims(), &[2, 2, 3, 5, 4]);
+    let flat = |t: &Tensor| {
+        let d = t.dims();
+        t.reshape((4, d[2], d[3], d[4]))
+    };
+    let want = sdpa(
+        &flat(&q)?,
+        &flat(&k)?,
+        &flat(&v)?,
+        &SdpaOptions::new().with_causal(true),
+    )?;
+    assert_eq!(max_diff(&flat(&out)?, &want)?, 0.0);
+    // (H, L, E) and (L, E)
+    let out3 = sdpa(
+        &q.get(0)?.get(0)?,
+        &k.get(0)?.get(0)?,
+        &v.get(0)?.get(0)?,
+        &SdpaOptions::new(),
+    )?;
+    assert_eq!(out3.dims(), &[3, 5, 4]);
+    let q2 = q.get(0)?.get(0)?.get(1)?;
+    let out2 = sdpa(
+        &q2,
+        &k.get(0)?.get(0)?.get(1)?,
+        &v.get(0)?.get(0)?.get(1)?,
+        &SdpaOptions::new(),
+    )?;
+    assert_eq!(out2.dims(), &[5, 4]);
+    assert!(max_diff(&out2, &out3.get(1)?)? < 1e-7);
+    Ok(())
+}
+
+#[test]
+fn gqa_equals_repeated_kv_heads() -> Result<()> {
+    for (hq, hkv) in [(4, 4), (4, 2), (8, 2), (8, 1)] {
+        let (q, k, v) = (
+            randn(&[2, hq, 5, 8])?,
+            randn(&[2, hkv, 6, 8])?,
+            randn(&[2, hkv, 6, 3])?,
+        );
+        let g = hq / hkv;
+        let rep = |t: &Tensor| -> Result<Tensor> {
+            let (b, h, s, d) = t.dims4()?;
+            t.unsqueeze(2)?
+                .broadcast_as((b, h, g, s, d))?
+                .reshape((b, h * g, s, d))
+        };
+        let opts = SdpaOptions::new().with_gqa(true).with_causal(true);
+        let a = sdpa(&q, &k, &v, &opts)?;
+        let b = sdpa(&q, &rep(&k)?, &rep(&v)?, &SdpaOptions::new().with_causal(true))?;
+        assert!(max_diff(&a, &b)? < 1e-6, "hq {hq} hkv {hkv}");
+    }
+    Ok(())
+}
+
+#[test]
+fn padded_batch_equals_each_sequence_alone() -> Result<()> {
+    // Two sequences of 7 and 4 keys, padded to 7; queries of length 3.
+    let (q, k, v) = (
+        randn(&[2, 2, 3, 8])?,
+        randn(&[2, 2, 7, 8])?,
+        randn(&[2, 2, 7, 5])?,
+    );
+    let pad = Tensor::new(&[[0u8, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1]], &Device::Cpu)?;
+    let opts = SdpaOptions::new().with_mask(AttnMask::key_padding(&pad)?);
+    let batch = sdpa(&q, &k, &v, &opts)?;
+    for (b, len) in [(0usize, 7usize), (1, 4)] {
+        let alone = sdpa(
+            &q.narrow(0, b, 1)?,
+            &k.narrow(0, b, 1)?.narrow(2, 0, len)?,
+            &v.narrow(0, b, 1)?.narrow(2, 0, len)?,
+            &SdpaOptions::new(),
+        )?;
+        assert!(max_diff(&batch.narrow(0, b, 1)?, &alone)? < 1e-6, "batch row {b}");
+    }
+    Ok(())
+}
+
+#[test]
+fn non_contiguous_inputs_equal_contiguous() -> Result<()> {
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        // (B, L, H, E) transposed to (B, H, L, E): a strided view.
+        let q = randn(&[2, 5, 3, 8])?.to_dtype(dtype)?.transpose(1, 2)?;
+        let k = randn(&[2, 7, 3, 8])?.to_dtype(dtype)?.transpose(1, 2)?;
+        let v = randn(&[2, 7, 3, 4])?.to_dtype(dtype)?.transpose(1, 2)?;
+        assert!(!q.is_contiguous());
+        let mask = AttnMask::keep(&randn(&[2, 1, 5, 7])?.ge(-1.0f32)?)?;
+        for backend in [Backend::Auto, Backend::Reference] {
+            let opts = SdpaOptions::new()
+                .with_mask(mask.clone())
+                .with_causal(true)
+                .with_backend(backend);
+            let a = sdpa(&q, &k, &v, &opts)?;
+            let b = sdpa(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &opts)?;
+            assert_eq!(a.dtype(), dtype);
+            assert_eq!(max_diff(&a, &b)?, 0.0, "{dtype:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn weights_are_returned_in_torch_shape() -> Result<()> {
+    let (q, k, v) = (
+        randn(&[2, 3, 5, 8])?,
+        randn(&[2, 3, 7, 8])?,
+        randn(&[2, 3, 7, 4])?,
+    );
+    let out = scaled_dot_product_attention(&q, &k, &v, &SdpaOptions::new().with_weights(true))?;
+    let w = out.weights.expect("weights");
+    assert_eq!(w.dims(), &[2, 3, 5, 7]);
+    let sums = w.sum(D::Minus1)?.flatten_all()?.to_vec1::<f32>()?;
+    assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-5));
+    assert!(max_diff(&w.matmul(&v)?, &out.output)? < 1e-6);
+    Ok(())
+}
+
+#[test]
+fn half_precision_accumulates_in_f32() -> Result<()> {
+    // Logits around ±60 overflow exp in f16 if summed there; the f32 path is fine.
+    let q = (randn(&[1, 2, 9, 16])? * 4.0)?;
+    let k = (randn(&[1, 2, 11, 16])? * 4.0)?;
+    let v = randn(&[1, 2, 11, 16])?;
+    let want = sdpa(&q, &k, &v, &SdpaOptions::new())?;
+    for (dt, tol) in [(DType::F16, 5e-3), (DType::BF16, 2e-2)] {
+        let (qh, kh, vh) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+        let want = sdpa(
+            &qh.to_dtype(DType::F32)?,
+            &kh.to_dtype(DType::F32)?,
+            &vh.to_dtype(DType::F32)?,
+            &SdpaOptions::new(),
+        )?;
+        let got = sdpa(&qh, &kh, &vh, &SdpaOptions::new())?;
+        assert_eq!(got.dtype(), dt);
+        assert!(max_diff(&got, &want)? < tol, "{dt:?}");
+    }
+    assert_eq!(want.dtype(), DType::F32);
+    Ok(())
+}
+
+#[test]
+fn bad_shapes_are_errors_that_name_them() -> Result<()> {
+    let o = SdpaOptions::new();
+    let q = randn(&[2, 4, 5, 8])?;
+    let k = randn(&[2, 4, 6, 8])?;
+    let v = randn(&[2, 4, 6, 3])?;
+    // wrong rank
+    let msg = err_msg(sdpa(&randn(&[8])?, &randn(&[8])?, &randn(&[8])?, &o));
+    assert!(msg.contains("[8]"), "{msg}");
+    let msg = err_msg(sdpa(&q, &k.get(0)?, &v, &o));
+    assert!(msg.contains("rank") && msg.contains("[4, 6, 8]"), "{msg}");
+    // mismatched E
+    let msg = err_msg(sdpa(&q, &randn(&[2, 4, 6, 7])?, &v, &o));
+    assert!(
+        msg.contains("[2, 4, 6, 7]") && msg.contains("[2, 4, 5, 8]"),
+        "{msg}"
+    );
+    // mismatched S between k and v
+    let msg = err_msg(sdpa(&q, &k, &randn(&[2, 4, 5, 3])?, &o));
+    assert!(msg.contains("[2, 4, 5, 3]"), "{msg}");
+    // mismatched batch
+    let msg = err_msg(sdpa(&randn(&[3, 4, 5, 8])?, &k, &v, &o));
+    assert!(msg.contains("batch"), "{msg}");
+    // heads differ without enable_gqa
+    let msg = err_msg(sdpa(&q, &randn(&[2, 2, 6, 8])?, &randn(&[2, 2, 6, 3])?, &o));
+    assert!(msg.contains("enable_gqa"), "{msg}");
+    // Hq not divisible by Hkv
+    let msg = err_msg(sdpa(
+        &q,
+        &randn(&[2, 3, 6, 8])?,
+        &randn(&[2, 3, 6, 3])?,
+        &o.clone().with_gqa(true),
+    ));
+    assert!(
+        msg.contains("multiple") && msg.contains('4') && msg.contains('3'),
+        "{msg}"
+    );
+    // k and v heads differ
+    let msg = err_msg(sdpa(&q, &k, &randn(&[2, 2, 6, 3])?, &o.clone().with_gqa(true)));
+    assert!(msg.contains("same number of heads"), "{msg}");
+    // dtypes
+    let msg = err_msg(sdpa(&q, &k.to_dtype(DType::F64)?, &v, &o));
+    assert!(msg.contains("F64"), "{msg}");
+    let msg = err_msg(sdpa(
+        &q.to_dtype(DType::U32)?,
+        &k.to_dtype(DType::U32)?,
+        &v.to_dtype(DType::U32)?,
+        &o,
+    ));
+    assert!(msg.contains("U32"), "{msg}");
+    Ok(())
+}
+
+#[test]
+fn fused_backend_errors_when_it_cannot_run() -> Result<()> {
+    let q = randn(&[1, 2, 3, 4])?.to_dtype(DType::F64)?;
+    let msg = err_msg(sdpa(&q, &q, &q, &SdpaOptions::new().with_backend(Backend::Fused)));
+    assert!(msg.contains("F64"), "{msg}");
+    let q = randn(&[1, 2, 3, 4])?;
+    let opts = SdpaOptions::new().with_backend(Backend::Fused).with_weights(true);
+    let msg = err_msg(scaled_dot_product_attention(&q, &q, &q, &opts));
+    assert!(msg.contains("weights"), "{msg}");
+    Ok(())
+}
