@@ -3,7 +3,7 @@
 
 Setup (CPU-only is enough):
 
-    python3 -m venv /tmp/venv && /tmp/venv/bin/pip install torch safetensors numpy
+    python3 -m venv /tmp/venv && /tmp/venv/bin/pip install torch safetensors numpy transformers
 
 Run from the repository root:
 
@@ -16,7 +16,9 @@ It writes one safetensors file per (kind, case, dtype) to
 Oracle rule: every parameter and input is drawn at random (biases included),
 rounded to the fixture dtype and stored; the expected outputs are computed by
 PyTorch in float64 from those rounded values, then cast to the fixture dtype
-and stored.  No expected number is written by hand.
+and stored.  No expected number is written by hand.  The ``hf_attention``
+fixtures take their oracle from Hugging Face ``transformers`` models built
+from tiny configs in code (no hub download), see ``weights/README.md``.
 
 The script is deterministic (one fixed seed per case, derived from its name)
 and idempotent: it first deletes the fixture files it owns, and the files it
@@ -27,6 +29,7 @@ safetensors container itself, with a sorted header, because
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import struct
@@ -39,11 +42,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 FORMAT = "candle-attention-fixture/1"
 OUT_DIR = Path(__file__).resolve().parent.parent / "weights"
-KINDS = ("sdpa", "multihead_attention", "notes_sdpa", "notes_multihead", "notes_causal")
+KINDS = ("sdpa", "multihead_attention", "notes_sdpa", "notes_multihead", "notes_causal",
+         "hf_attention")
 DTYPES = {
     "f32": torch.float32,
     "f64": torch.float64,
@@ -51,7 +57,7 @@ DTYPES = {
     "bf16": torch.bfloat16,
 }
 F64 = torch.float64
-MAX_TOTAL_BYTES = 3 * 1024 * 1024
+MAX_TOTAL_BYTES = 3 * 1024 * 1024     # per group: the PyTorch kinds, and hf_attention
 
 
 # --------------------------------------------------------------------------
@@ -94,7 +100,10 @@ def rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """How a tensor is stored: bool as uint8 (1 = True), floats in the fixture dtype."""
+    """How a tensor is stored: bool as uint8 (1 = True), int64 as is (position ids),
+    floats in the fixture dtype."""
+    if t.dtype == torch.int64:
+        return t
     return t.to(torch.uint8) if t.dtype == torch.bool else t.to(dtype)
 
 
@@ -107,6 +116,7 @@ class Fixture:
     params: dict[str, torch.Tensor] = field(default_factory=dict)   # float64, already rounded
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)   # float64 (rounded) or bool
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # float64 oracle
+    metadata: dict[str, str] = field(default_factory=dict)           # extra metadata keys
 
 
 # --------------------------------------------------------------------------
@@ -474,11 +484,573 @@ def build_notes(c: NotesCase, dtype: torch.dtype) -> Fixture:
 
 
 # --------------------------------------------------------------------------
+# hf_attention: the attention modules of Hugging Face transformers models
+# --------------------------------------------------------------------------
+
+
+class PromoteF32(TorchFunctionMode):
+    """Turn every float32 request into float64 while the HF oracle runs.
+
+    HF's modeling code computes some things in float32 on purpose, even in a
+    float64 model: the rotary inv_freq / angles / cos / sin, RMSNorm, and the
+    eager softmax (`softmax(..., dtype=torch.float32)`).  Under this mode
+    `torch.float32` arguments become `torch.float64` and `Tensor.float()`
+    becomes `Tensor.double()`, so the oracle is float64 all the way through.
+    `hf_stock_deviation` measures what this changes (f32 rounding only)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        args = tuple(F64 if a is torch.float32 else a for a in args)
+        kwargs = {k: (F64 if v is torch.float32 else v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def hf_float64(promote: bool = True):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(F64)
+    try:
+        with PromoteF32() if promote else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@dataclass(frozen=True)
+class HfArch:
+    config_cls: str
+    model_cls: str          # the model whose own forward runs (a base model, or Whisper's decoder)
+    attn_path: str          # attribute path to the attention module, "{i}" = layer_idx
+    cross_attention: bool = False
+    takes_position_ids: bool = True
+
+
+HF_ARCHS = {
+    "llama": HfArch("LlamaConfig", "LlamaModel", "layers.{i}.self_attn"),
+    "mistral": HfArch("MistralConfig", "MistralModel", "layers.{i}.self_attn"),
+    "qwen2": HfArch("Qwen2Config", "Qwen2Model", "layers.{i}.self_attn"),
+    "qwen3": HfArch("Qwen3Config", "Qwen3Model", "layers.{i}.self_attn"),
+    "gemma2": HfArch("Gemma2Config", "Gemma2Model", "layers.{i}.self_attn"),
+    "gpt2": HfArch("GPT2Config", "GPT2Model", "h.{i}.attn"),
+    "gpt_neox": HfArch("GPTNeoXConfig", "GPTNeoXModel", "layers.{i}.attention"),
+    "bloom": HfArch("BloomConfig", "BloomModel", "h.{i}.self_attention", takes_position_ids=False),
+    "gpt_oss": HfArch("GptOssConfig", "GptOssModel", "layers.{i}.self_attn"),
+    "whisper": HfArch("WhisperConfig", "models.whisper.modeling_whisper.WhisperDecoder",
+                      "layers.{i}.encoder_attn", cross_attention=True),
+}
+
+
+@dataclass(frozen=True)
+class HfCase:
+    arch: str
+    name: str                    # the fixture's case name (starts with the architecture)
+    config: dict                 # kwargs of the config class (tiny sizes, eager attention)
+    layer_idx: int = 0
+    B: int = 1
+    L: int = 6
+    steps: int = 4
+    left_pad: tuple[int, ...] | None = None  # pad tokens per batch row; None: no attention_mask
+    S: int | None = None         # encoder length (cross-attention)
+    all_dtypes: bool = False     # also bf16 and f16
+    param_std: float = 0.2
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 32.0,
+             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
+
+HF_CASES = [
+    HfCase("llama", "llama_gqa_llama3_leftpad",
+           dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                rope_parameters=LLAMA3_ROPE),
+           B=2, L=6, steps=5, left_pad=(2, 0), all_dtypes=True),
+    HfCase("llama", "llama_linear_rope_bias",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
+                attention_bias=True,
+                rope_parameters={"rope_type": "linear", "rope_theta": 100.0, "factor": 2.0}),
+           B=1, L=5, steps=4),
+    HfCase("mistral", "mistral_sliding_window",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                sliding_window=4, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           B=1, L=6, steps=5, all_dtypes=True),
+    HfCase("mistral", "mistral_sliding_window_leftpad",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                sliding_window=3, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           B=2, L=7, steps=5, left_pad=(3, 1)),
+    HfCase("qwen2", "qwen2_qkv_bias_leftpad",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           B=2, L=6, steps=4, left_pad=(0, 2), all_dtypes=True),
+    HfCase("qwen3", "qwen3_qk_norm_head_dim",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           B=2, L=6, steps=4, left_pad=(1, 0), all_dtypes=True),
+    HfCase("gemma2", "gemma2_sliding_softcap",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=4,
+                query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           B=2, L=6, steps=5, left_pad=(2, 0), all_dtypes=True, param_std=0.3),
+    HfCase("gemma2", "gemma2_full_layer1",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           layer_idx=1, B=2, L=5, steps=4, left_pad=(0, 1), param_std=0.3),
+    HfCase("gpt2", "gpt2_conv1d_leftpad",
+           dict(n_embd=32, n_head=4, n_layer=1, n_positions=64),
+           B=2, L=6, steps=4, left_pad=(2, 0), all_dtypes=True),
+    HfCase("gpt2", "gpt2_inverse_layer_idx",
+           dict(n_embd=32, n_head=4, n_layer=2, n_positions=64, scale_attn_by_inverse_layer_idx=True),
+           layer_idx=1, B=1, L=5, steps=4),
+    HfCase("gpt_neox", "gpt_neox_partial_rotary_leftpad",
+           dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                 "partial_rotary_factor": 0.5}),
+           B=2, L=6, steps=4, left_pad=(0, 3), all_dtypes=True),
+    HfCase("gpt_neox", "gpt_neox_partial_rotary_quarter",
+           dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                 "partial_rotary_factor": 0.25}),
+           B=1, L=5, steps=4),
+    HfCase("bloom", "bloom_alibi_6heads_leftpad",
+           dict(hidden_size=48, n_head=6, n_layer=1),
+           B=2, L=6, steps=4, left_pad=(2, 0), all_dtypes=True),
+    HfCase("bloom", "bloom_alibi_6heads_nomask",
+           dict(hidden_size=48, n_head=6, n_layer=1),
+           B=1, L=5, steps=4),
+    HfCase("gpt_oss", "gpt_oss_sinks_yarn_sliding_leftpad",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=3,
+                num_local_experts=2, num_experts_per_tok=1, rope_parameters=YARN_ROPE),
+           B=2, L=6, steps=5, left_pad=(0, 2), all_dtypes=True),
+    HfCase("gpt_oss", "gpt_oss_sinks_full_layer1",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                sliding_window=3, num_local_experts=2, num_experts_per_tok=1,
+                rope_parameters=YARN_ROPE),
+           layer_idx=1, B=1, L=5, steps=4),
+    HfCase("whisper", "whisper_cross_attention",
+           dict(d_model=32, decoder_attention_heads=4, encoder_attention_heads=4, decoder_layers=1,
+                encoder_layers=1, decoder_ffn_dim=16, encoder_ffn_dim=16, max_target_positions=32,
+                max_source_positions=16),
+           B=2, L=5, steps=4, S=9, all_dtypes=True),
+]
+
+# Config kwargs added to every case: tiny vocabulary and MLP, eager attention.
+HF_COMMON_CONFIG = {"vocab_size": 16, "attn_implementation": "eager"}
+HF_ARCH_CONFIG = {
+    "gpt2": {"n_inner": 16, "bos_token_id": 0, "eos_token_id": 0},
+    "bloom": {},
+    # the MoE's default grouped_mm kernel has no float64; YaRN wants max_position = factor * original
+    "gpt_oss": {"intermediate_size": 16, "experts_implementation": "eager",
+                "max_position_embeddings": 256},
+    "whisper": {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
+                "decoder_start_token_id": 0, "begin_suppress_tokens": None},
+}
+HF_DEFAULT_ARCH_CONFIG = {"intermediate_size": 16}
+
+
+def hf_class(path: str):
+    obj = transformers
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def hf_submodule(model: nn.Module, path: str) -> nn.Module:
+    for part in path.split("."):
+        model = model[int(part)] if part.isdigit() else getattr(model, part)
+    return model
+
+
+def hf_build_config(c: HfCase):
+    arch = HF_ARCHS[c.arch]
+    kwargs = {**HF_COMMON_CONFIG, **HF_ARCH_CONFIG.get(c.arch, HF_DEFAULT_ARCH_CONFIG), **c.config}
+    return hf_class(arch.config_cls)(**kwargs)
+
+
+def hf_positions(mask: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
+    """generate()'s position_ids: (cumsum(mask) - 1).clamp(min=0), or arange."""
+    if mask is None:
+        return torch.arange(T).expand(B, T).clone()
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class HfRun:
+    """One HF model plus hooks on its attention module.
+
+    The forward_pre_hook replaces the module's `hidden_states` with the next
+    tensor from `feed` (our random, dtype-rounded input), and Bloom's
+    `residual` with zeros (so the module's output is the attention output
+    alone).  The forward_hook records the module's output (first element)."""
+
+    def __init__(self, c: HfCase, promote: bool = True):
+        self.c, self.arch = c, HF_ARCHS[c.arch]
+        torch.manual_seed(zlib.crc32(f"hf_attention__{c.name}".encode()))
+        with hf_float64(promote):
+            self.config = hf_build_config(c)
+            self.model = hf_class(self.arch.model_cls)(self.config).double().eval()
+        self.promote = promote
+        self.attn = hf_submodule(self.model, self.arch.attn_path.format(i=c.layer_idx))
+        self.feed: list[torch.Tensor] = []
+        self.seen: list[dict] = []
+        self.outputs: list[torch.Tensor] = []
+        self.attn.register_forward_pre_hook(self._pre, with_kwargs=True)
+        self.attn.register_forward_hook(self._post, with_kwargs=True)
+
+    def _pre(self, module, args, kwargs):
+        x = self.feed.pop(0)
+        args = list(args)
+        if args:
+            assert args[0].shape == x.shape, (args[0].shape, x.shape)
+            args[0] = x
+        else:
+            assert kwargs["hidden_states"].shape == x.shape
+            kwargs["hidden_states"] = x
+        if self.c.arch == "bloom":
+            residual = args[1] if len(args) > 1 else kwargs["residual"]
+            zero = torch.zeros_like(residual)
+            if len(args) > 1:
+                args[1] = zero
+            else:
+                kwargs["residual"] = zero
+        self.seen.append({"kwargs": sorted(kwargs), "nargs": len(args)})
+        return tuple(args), kwargs
+
+    def _post(self, module, args, kwargs, output):
+        self.outputs.append(output[0].detach().clone())
+
+    def forward(self, hidden, embeds, mask, pos, cache, encoder=None, use_cache=True):
+        """One forward of the whole model; returns (attention output, cache)."""
+        self.feed.append(hidden)
+        kw = dict(inputs_embeds=embeds, use_cache=use_cache)
+        if use_cache and cache is not None:
+            kw["cache"] = cache
+        if mask is not None:
+            kw["attention_mask"] = mask.long()
+        if self.arch.takes_position_ids:
+            kw["position_ids"] = pos
+        if encoder is not None:
+            kw["encoder_hidden_states"] = encoder
+        with torch.no_grad(), hf_float64(self.promote):
+            out = self.model(**kw)
+        assert not self.feed, "the attention module was not called exactly once"
+        return self.outputs.pop(), getattr(out, "cache", None)
+
+    def run(self, prefill: dict, steps: list[dict]) -> tuple[torch.Tensor, list[torch.Tensor], object]:
+        out, cache = self.forward(**prefill, cache=None)
+        step_outs = []
+        for s in steps:
+            o, cache = self.forward(**s, cache=cache)
+            step_outs.append(o)
+        return out, step_outs, cache
+
+
+def hf_draw_inputs(c: HfCase, d: Draw, hidden: int, dtype: torch.dtype):
+    """Prefill and decode-step inputs: float64 values rounded to `dtype`."""
+    T = c.L + c.steps
+    mask = None
+    if c.left_pad is not None:
+        assert len(c.left_pad) == c.B
+        mask = torch.ones(c.B, T, dtype=torch.bool)
+        for b, p in enumerate(c.left_pad):
+            mask[b, :p] = False
+    pos = hf_positions(mask, c.B, T)
+    x = rounded(d.randn(c.B, T, hidden, std=1.0), dtype)          # attention-module inputs
+    emb = d.randn(c.B, T, hidden, std=1.0)                        # model inputs_embeds (unused values)
+    enc = rounded(d.randn(c.B, c.S, hidden, std=1.0), dtype) if c.S else None
+
+    def part(lo, hi):
+        return dict(hidden=x[:, lo:hi].contiguous(), embeds=emb[:, lo:hi].contiguous(),
+                    mask=None if mask is None else mask[:, :hi].contiguous(),
+                    pos=pos[:, lo:hi].contiguous(), encoder=enc)
+
+    prefill = part(0, c.L)
+    steps = [part(c.L + i, c.L + i + 1) for i in range(c.steps)]
+    return x, mask, pos, enc, prefill, steps
+
+
+def hf_randomize(attn: nn.Module, d: Draw, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
+    """Random values for every entry of the attention module's state_dict, rounded to dtype."""
+    params = {}
+    buffers = {n for n, _ in attn.named_buffers()}
+    for name, p in attn.state_dict().items():
+        assert name not in buffers, f"unexpected buffer {name} in the attention state_dict"
+        if name == "sinks":
+            v = d.randn(*p.shape, std=1.0)
+        elif "norm" in name:
+            v = 1.0 + d.randn(*p.shape, std=0.1)
+        else:
+            v = d.randn(*p.shape, std=std)
+        params[name] = rounded(v, dtype)
+    attn.load_state_dict(params)
+    return params
+
+
+def build_hf_attention(c: HfCase, dtype: torch.dtype) -> Fixture:
+    d = Draw("hf_attention", c.name)
+    run = HfRun(c)
+    params = hf_randomize(run.attn, d, dtype, c.param_std)
+    hidden = run.config.d_model if c.arch == "whisper" else run.config.hidden_size
+    x, mask, pos, enc, prefill, steps = hf_draw_inputs(c, d, hidden, dtype)
+    out, step_outs, cache = run.run(prefill, steps)
+
+    inputs = {"hidden_states": prefill["hidden"], "position_ids": prefill["pos"]}
+    if mask is not None:
+        inputs["attention_mask"] = prefill["mask"]
+    if enc is not None:
+        inputs["encoder_hidden_states"] = enc
+    outputs = {"attn_output": out}
+    for i, (s, o) in enumerate(zip(steps, step_outs), start=1):
+        inputs[f"step{i}.hidden_states"] = s["hidden"]
+        inputs[f"step{i}.position_ids"] = s["pos"]
+        if mask is not None:
+            inputs[f"step{i}.attention_mask"] = s["mask"]
+        outputs[f"step{i}.attn_output"] = o
+
+    config = json.loads(json.dumps(run.config.to_dict(), sort_keys=True, default=str))
+    call = {"layer_idx": c.layer_idx, "cross_attention": HF_ARCHS[c.arch].cross_attention}
+    fx = Fixture("hf_attention", c.name, config, call, params=params, inputs=inputs,
+                 outputs=outputs,
+                 metadata={"architecture": c.arch, "transformers_version": transformers.__version__})
+
+    # Prove the oracle.
+    valid = torch.ones(c.B, c.L + c.steps, dtype=torch.bool) if mask is None else mask
+    full = torch.cat([out] + step_outs, dim=1)
+    assert torch.isfinite(full[valid]).all(), f"hf/{c.name}: non-finite output at a real token"
+    # 1. The cached decode equals one forward over the whole sequence without cache.
+    again = HfRun(c)
+    again.attn.load_state_dict(params)
+    whole, _ = again.forward(x, torch.cat([prefill["embeds"]] + [s["embeds"] for s in steps], 1),
+                             mask, pos, None, encoder=enc, use_cache=False)
+    torch.testing.assert_close(full[valid], whole[valid], rtol=1e-12, atol=1e-12)
+    # 2. An independent float64 implementation of the contract, from the fixture's contents only.
+    ref = reference_hf_attention(fx)
+    torch.testing.assert_close(full[valid], ref[valid], rtol=1e-10, atol=1e-12)
+    # 3. The cache is the kind the README describes.
+    hf_check_cache(c, run, cache)
+    return fx
+
+
+def hf_check_cache(c: HfCase, run: HfRun, cache):
+    if c.arch == "whisper":
+        assert type(cache).__name__ == "EncoderDecoderCache", type(cache)
+        layer = cache.cross_attention_cache.layers[c.layer_idx]
+        assert layer.keys.shape[-2] == c.S, "the cross-attention cache holds the encoder K/V"
+        return
+    assert type(cache).__name__ == "DynamicCache", type(cache)
+    layer = cache.layers[c.layer_idx]
+    window = hf_window(c.arch, json.loads(json.dumps(run.config.to_dict(), default=str)), c.layer_idx)
+    total = c.L + c.steps
+    if window is None:
+        assert type(layer).__name__ == "DynamicLayer" and layer.keys.shape[-2] == total
+    else:
+        assert type(layer).__name__ == "DynamicSlidingWindowLayer", type(layer)
+        assert layer.keys.shape[-2] == min(total, window - 1) and total > window
+
+
+def hf_stock_deviation(c: HfCase, fx: Fixture) -> float:
+    """Max |stock HF - float64 oracle| / max |oracle| over real tokens, where stock HF
+    keeps its float32 rotary / RMSNorm / softmax (f64 fixture only)."""
+    run = HfRun(c, promote=False)
+    run.attn.load_state_dict(fx.params)
+    prefill = {"hidden": fx.inputs["hidden_states"], "embeds": fx.inputs["hidden_states"],
+               "mask": fx.inputs.get("attention_mask"), "pos": fx.inputs["position_ids"],
+               "encoder": fx.inputs.get("encoder_hidden_states")}
+    steps = []
+    for i in range(1, c.steps + 1):
+        steps.append({"hidden": fx.inputs[f"step{i}.hidden_states"],
+                      "embeds": fx.inputs[f"step{i}.hidden_states"],
+                      "mask": fx.inputs.get(f"step{i}.attention_mask"),
+                      "pos": fx.inputs[f"step{i}.position_ids"],
+                      "encoder": fx.inputs.get("encoder_hidden_states")})
+    out, step_outs, _ = run.run(prefill, steps)
+    got = torch.cat([out] + step_outs, 1)
+    want = torch.cat([fx.outputs["attn_output"]]
+                     + [fx.outputs[f"step{i}.attn_output"] for i in range(1, c.steps + 1)], 1)
+    mask = (fx.inputs.get(f"step{c.steps}.attention_mask")
+            if "attention_mask" in fx.inputs else torch.ones(got.shape[:2], dtype=torch.bool))
+    return ((got - want)[mask].abs().max() / want[mask].abs().max()).item()
+
+
+# ---- an independent float64 implementation of the hf_attention contract ----
+
+
+def hf_window(arch: str, cfg: dict, layer_idx: int) -> int | None:
+    if arch == "mistral":
+        return cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3", "gemma2", "gpt_oss"):
+        return cfg["sliding_window"] if cfg["layer_types"][layer_idx] == "sliding_attention" else None
+    return None
+
+
+def ref_inv_freq(cfg: dict, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_factor) from config["rope_parameters"], in float64."""
+    rp = cfg["rope_parameters"]
+    base, kind = rp["rope_theta"], rp.get("rope_type", "default")
+    dim = int(head_dim * rp.get("partial_rotary_factor", 1.0))
+    exps = torch.arange(0, dim, 2, dtype=F64) / dim
+    inv = 1.0 / base ** exps
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / rp["factor"], 1.0
+    if kind == "llama3":
+        factor, lo, hi = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+        old = rp["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        out = torch.where(wavelen > old / lo, inv / factor, inv)          # low band: / factor
+        mid = (wavelen >= old / hi) & (wavelen <= old / lo)              # medium band: blend
+        out = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, out)
+        return out, 1.0
+    if kind == "yarn":
+        factor, old = rp["factor"], rp["original_max_position_embeddings"]
+        att = rp.get("attention_factor")
+        if att is None:
+            att = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        beta_fast, beta_slow = rp.get("beta_fast") or 32, rp.get("beta_slow") or 1
+
+        def corr(rot):
+            return dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = corr(beta_fast), corr(beta_slow)
+        if rp.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=F64) - low) / (high - low)).clamp(0, 1)
+        extrap = 1 - ramp                                  # weight of the unscaled frequency
+        return inv / factor * (1 - extrap) + inv * extrap, att
+    raise ValueError(kind)
+
+
+def ref_rope(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, att: float) -> torch.Tensor:
+    """x (B, H, T, D); rotate-half RoPE on the first 2*len(inv) dims of D."""
+    rot = 2 * inv.numel()
+    ang = pos[:, None, :, None].to(F64) * inv                 # (B, 1, T, rot/2)
+    cos, sin = (torch.cat([ang.cos()] * 2, -1) * att, torch.cat([ang.sin()] * 2, -1) * att)
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    return torch.cat([xr * cos + torch.cat([-x2, x1], -1) * sin, xp], -1)
+
+
+def ref_alibi_slopes(n: int) -> torch.Tensor:
+    p = 2 ** math.floor(math.log2(n))
+    slopes = [2 ** (-8 * (i + 1) / p) for i in range(p)]
+    slopes += [2 ** (-8 * (2 * i + 1) / (2 * p)) for i in range(min(p, n - p))]
+    return torch.tensor(slopes, dtype=F64)
+
+
+def reference_hf_attention(fx: Fixture) -> torch.Tensor:
+    """The attention output for the whole sequence (prefill, then every step),
+    computed in float64 without a cache from the fixture's config, call,
+    params and inputs only, exactly as the README describes."""
+    cfg = json.loads(json.dumps(fx.config))
+    arch, li = fx.metadata["architecture"], fx.call["layer_idx"]
+    P = fx.params
+    steps = sum(1 for k in fx.inputs if k.endswith(".hidden_states"))
+    cat = lambda n: torch.cat([fx.inputs[n]] + [fx.inputs[f"step{i}.{n}"]  # noqa: E731
+                                                 for i in range(1, steps + 1)], 1)
+    x, pos = cat("hidden_states"), cat("position_ids")
+    B, T, E = x.shape
+    mask = fx.inputs.get(f"step{steps}.attention_mask")
+    pad = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
+    lin = lambda t, w, b=None: F.linear(t, P[w], P.get(b) if b else None)  # noqa: E731
+
+    def heads(t, n):                                           # (B, T', n*D) -> (B, n, T', D)
+        return t.view(B, t.shape[1], n, -1).transpose(1, 2)
+
+    scale, softcap, sinks, bias, window, causal = None, None, None, 0.0, None, True
+    if arch in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss"):
+        H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        D = cfg.get("head_dim") or E // H
+        q = heads(lin(x, "q_proj.weight", "q_proj.bias"), H)
+        k = heads(lin(x, "k_proj.weight", "k_proj.bias"), Hkv)
+        v = heads(lin(x, "v_proj.weight", "v_proj.bias"), Hkv)
+        if arch == "qwen3":
+            eps = cfg["rms_norm_eps"]
+            rms = lambda t, w: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * P[w]  # noqa
+            q, k = rms(q, "q_norm.weight"), rms(k, "k_norm.weight")
+        inv, att = ref_inv_freq(cfg, D)
+        q, k = ref_rope(q, pos, inv, att), ref_rope(k, pos, inv, att)
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        scale = (cfg["query_pre_attn_scalar"] if arch == "gemma2" else D) ** -0.5
+        softcap = cfg.get("attn_logit_softcapping") if arch == "gemma2" else None
+        sinks = P["sinks"] if arch == "gpt_oss" else None
+        window = hf_window(arch, cfg, li)
+        out_w, out_b = "o_proj.weight", "o_proj.bias"
+    elif arch == "gpt2":
+        H = cfg["n_head"]
+        q, k, v = (x @ P["c_attn.weight"] + P["c_attn.bias"]).split(E, -1)   # Conv1D: x W + b
+        q, k, v = heads(q, H), heads(k, H), heads(v, H)
+        D = E // H
+        scale = D ** -0.5 if cfg["scale_attn_weights"] else 1.0
+        if cfg["scale_attn_by_inverse_layer_idx"]:
+            scale /= li + 1
+        out_w = None
+    elif arch == "gpt_neox":
+        H = cfg["num_attention_heads"]
+        D = E // H
+        qkv = lin(x, "query_key_value.weight", "query_key_value.bias").view(B, T, H, 3 * D)
+        q, k, v = qkv.transpose(1, 2).chunk(3, -1)            # per head: [q | k | v]
+        inv, att = ref_inv_freq(cfg, D)
+        q, k = ref_rope(q, pos, inv, att), ref_rope(k, pos, inv, att)
+        scale = D ** -0.5
+        out_w, out_b = "dense.weight", "dense.bias"
+    elif arch == "bloom":
+        H = cfg["n_head"]
+        D = E // H
+        qkv = lin(x, "query_key_value.weight", "query_key_value.bias").view(B, T, H, 3, D)
+        q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))
+        key_pos = (torch.arange(T).expand(B, T) if mask is None
+                   else (pad.long().cumsum(-1) - 1) * pad.long())
+        bias = ref_alibi_slopes(H)[None, :, None, None] * key_pos[:, None, None, :].to(F64)
+        scale = D ** -0.5
+        out_w, out_b = "dense.weight", "dense.bias"
+    elif arch == "whisper":
+        H = cfg["decoder_attention_heads"]
+        D = E // H
+        enc = fx.inputs["encoder_hidden_states"]
+        q = heads(lin(x, "q_proj.weight", "q_proj.bias"), H)
+        k = heads(lin(enc, "k_proj.weight"), H)               # no k bias
+        v = heads(lin(enc, "v_proj.weight", "v_proj.bias"), H)
+        scale, causal = D ** -0.5, False
+        out_w, out_b = "out_proj.weight", "out_proj.bias"
+    else:
+        raise ValueError(arch)
+
+    logits = q @ k.mT * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits + bias
+    if causal:
+        t = torch.arange(T)
+        vis = (t[None, :] <= t[:, None])[None, None] & pad[:, None, None, :]
+        if window is not None:
+            vis = vis & (t[None, :] > t[:, None] - window)[None, None]
+        logits = logits.masked_fill(~vis, -math.inf)
+    if sinks is not None:
+        sink = sinks[None, :, None, None].expand(B, H, T, 1)
+        w = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
+    else:
+        w = torch.softmax(logits, -1)
+    o = (w @ v).transpose(1, 2).reshape(B, T, -1)
+    if out_w is None:
+        return o @ P["c_proj.weight"] + P["c_proj.bias"]
+    return lin(o, out_w, out_b)
+
+
+# --------------------------------------------------------------------------
 # Writing and checking the files
 # --------------------------------------------------------------------------
 
 ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-            torch.bfloat16: "BF16", torch.uint8: "U8"}
+            torch.bfloat16: "BF16", torch.uint8: "U8", torch.int64: "I64"}
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
@@ -505,10 +1077,11 @@ def save_fixture(fx: Fixture, short: str, dtype: torch.dtype) -> Path:
     metadata = {
         "format": FORMAT,
         "kind": fx.kind,
-        "config": json.dumps(fx.config, sort_keys=True),
+        "config": json.dumps(fx.config, sort_keys=True, default=str),
         "call": json.dumps(fx.call, sort_keys=True),
         "dtype": str(dtype).removeprefix("torch."),
         "torch_version": torch.__version__,
+        **fx.metadata,
     }
     path = OUT_DIR / f"{fx.kind}__{fx.case}__{short}.safetensors"
     write_safetensors(path, tensors, metadata)
@@ -545,14 +1118,33 @@ def main():
         for short, dtype in DTYPES.items():
             written.append(save_fixture(build(case, dtype), short, dtype))
 
-    counts = Counter((p.stem.split("__")[0], p.stem.split("__")[2]) for p in written)
+    hf_written, deviations = [], {}
+    for case in HF_CASES:
+        for short, dtype in DTYPES.items():
+            if short in ("f16", "bf16") and not case.all_dtypes:
+                continue
+            fx = build_hf_attention(case, dtype)
+            hf_written.append(save_fixture(fx, short, dtype))
+            if short == "f64":
+                deviations[case.name] = hf_stock_deviation(case, fx)
+
+    counts = Counter((p.stem.split("__")[0], p.stem.split("__")[2]) for p in written + hf_written)
     total = sum(p.stat().st_size for p in written)
-    print(f"torch {torch.__version__}: wrote {len(written)} fixtures to {OUT_DIR}")
+    hf_total = sum(p.stat().st_size for p in hf_written)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}: "
+          f"wrote {len(written) + len(hf_written)} fixtures to {OUT_DIR}")
     for kind in KINDS:
         row = "  ".join(f"{s}={counts[(kind, s)]}" for s in DTYPES)
         print(f"  {kind:<20} {row}")
-    print(f"total {total} bytes ({total / 1024:.1f} KiB)")
+    print(f"total {total + hf_total} bytes ({(total + hf_total) / 1024:.1f} KiB), "
+          f"of which hf_attention {hf_total} bytes ({hf_total / 1024:.1f} KiB)")
+    print("hf_attention: max |stock HF (float32 rotary/RMSNorm/softmax) - float64 oracle|"
+          " / max |oracle|, f64 fixtures:")
+    for name, dev in deviations.items():
+        print(f"  {name:<40} {dev:.1e}")
     assert total <= MAX_TOTAL_BYTES, "fixtures exceed the size budget"
+    assert hf_total <= MAX_TOTAL_BYTES, "hf_attention fixtures exceed the size budget"
+    assert max(deviations.values()) < 1e-4, "the float64 promotion changed more than rounding"
 
 
 if __name__ == "__main__":

@@ -344,6 +344,7 @@ impl Ctx<'_> {
             enable_gqa: self.flag(cfg, "enable_gqa", false)?,
             need_weights: false,
             backend: self.opts.backend,
+            ..SdpaOptions::default()
         };
         let out = scaled_dot_product_attention(
             &self.input("query")?,

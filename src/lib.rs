@@ -13,16 +13,22 @@
 //!
 //! Every layer implements [`candle_nn::Module`] and runs on any candle device.
 extern crate candle_core as candle;
+pub mod alibi;
+pub mod cache;
+pub mod decoder;
 pub mod fixture;
 pub(crate) mod kernels;
 pub mod mask;
 pub mod mha;
 pub mod notes;
 pub mod proj;
+pub mod rope;
 pub mod sdpa;
 
+pub use cache::{KvCache, KvView};
 pub use mask::{AttnMask, CausalAlign, CausalRule};
 pub use mha::{MhaArgs, MultiheadAttention, MultiheadAttentionConfig};
 pub use notes::{AttentionConfig, CausalAttention, MultiHeadAttention, ProjNames, ScaledDotProductAttention};
 pub use proj::Proj;
+pub use rope::{RopeConfig, RopeScaling, RopeStyle, RotaryEmbedding};
 pub use sdpa::{scaled_dot_product_attention, sdpa, Backend, SdpaOptions, SdpaOutput};

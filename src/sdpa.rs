@@ -49,6 +49,11 @@ pub struct SdpaOptions {
     pub need_weights: bool,
     /// Which implementation to use.
     pub backend: Backend,
+    /// Logit soft-capping (Gemma 2): `scores = cap · tanh(scores / cap)`, before the mask.
+    pub softcap: Option<f64>,
+    /// Learned attention sinks (gpt-oss), one logit per query head `(Hq)`: an extra key
+    /// with that logit and a zero value joins every softmax row.
+    pub sinks: Option<Tensor>,
 }
 
 impl SdpaOptions {
@@ -84,6 +89,16 @@ impl SdpaOptions {
     /// Picks the implementation.
     pub fn with_backend(mut self, backend: Backend) -> Self {
         self.backend = backend;
+        self
+    }
+    /// Sets the logit soft-cap.
+    pub fn with_softcap(mut self, cap: f64) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
+    /// Sets per-head attention sinks `(Hq)`.
+    pub fn with_sinks(mut self, sinks: Tensor) -> Self {
+        self.sinks = Some(sinks);
         self
     }
 }
@@ -263,8 +278,22 @@ pub fn scaled_dot_product_attention(
         };
         return Ok(SdpaOutput { output, weights });
     }
+    if let Some(cap) = opts.softcap {
+        if cap.is_nan() || cap <= 0.0 {
+            candle::bail!("sdpa: softcap must be positive, got {cap}")
+        }
+    }
+    if let Some(sinks) = &opts.sinks {
+        if sinks.dims() != [dims.hq] {
+            candle::bail!(
+                "sdpa: sinks must have shape ({},) (one per query head), got {:?}",
+                dims.hq,
+                sinks.dims()
+            )
+        }
+    }
     match select_backend(q, &dims, opts)? {
-        Path::Reference => reference(q, k, v, &mask, &dims, scale, opts.need_weights),
+        Path::Reference => reference(q, k, v, &mask, &dims, scale, opts),
         Path::Fused => crate::kernels::dispatch_fused(q, k, v, explicit.as_ref(), &mask, &dims, scale),
     }
 }
@@ -287,7 +316,11 @@ fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions) -> Result<Path> {
     match opts.backend {
         Backend::Reference => Ok(Path::Reference),
         Backend::Auto => Ok(
-            if !opts.need_weights && crate::kernels::fused_supports(q.device(), q.dtype(), dims) {
+            if !opts.need_weights
+                && opts.softcap.is_none()
+                && opts.sinks.is_none()
+                && crate::kernels::fused_supports(q.device(), q.dtype(), dims)
+            {
                 Path::Fused
             } else {
                 Path::Reference
@@ -330,7 +363,7 @@ fn reference(
     mask: &AttnMask,
     dims: &Dims,
     scale: f64,
-    need_weights: bool,
+    opts: &SdpaOptions,
 ) -> Result<SdpaOutput> {
     let (n, hq, hkv, l, s, e, ev) = (dims.n, dims.hq, dims.hkv, dims.l, dims.s, dims.e, dims.ev);
     let dt = q.dtype();
@@ -341,7 +374,10 @@ fn reference(
     let q = q.to_dtype(cd)?.reshape((n, hkv, g * l, e))?;
     let k = k.to_dtype(cd)?.reshape((n, hkv, s, e))?;
     let v = v.to_dtype(cd)?.reshape((n, hkv, s, ev))?;
-    let scores = q.matmul(&k.t()?)?.affine(scale, 0.0)?.reshape((n, hq, l, s))?;
+    let mut scores = q.matmul(&k.t()?)?.affine(scale, 0.0)?.reshape((n, hq, l, s))?;
+    if let Some(cap) = opts.softcap {
+        scores = ((scores / cap)?.tanh()? * cap)?;
+    }
     let score_shape = dims.score_shape();
     let scores = match mask.to_additive(&score_shape, cd, dev)? {
         None => scores,
@@ -350,10 +386,20 @@ fn reference(
             (scores + m)?
         }
     };
-    let p = safe_softmax_last_dim(&scores)?;
-    let out = p.reshape((n, hkv, g * l, s))?.matmul(&v)?;
+    let p = match &opts.sinks {
+        None => safe_softmax_last_dim(&scores)?,
+        Some(sinks) => {
+            let sink = sinks
+                .to_dtype(cd)?
+                .reshape((1, hq, 1, 1))?
+                .broadcast_as((n, hq, l, 1))?;
+            let p = safe_softmax_last_dim(&Tensor::cat(&[&scores, &sink], 3)?)?;
+            p.narrow(3, 0, s)?
+        }
+    };
+    let out = p.contiguous()?.reshape((n, hkv, g * l, s))?.matmul(&v)?;
     let output = out.reshape(dims.out_shape(ev))?.to_dtype(dt)?;
-    let weights = if need_weights {
+    let weights = if opts.need_weights {
         Some(p.reshape(score_shape)?.to_dtype(dt)?)
     } else {
         None

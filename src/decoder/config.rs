@@ -1,0 +1,446 @@
+//! Decoder attention configuration, and its construction from a Hugging Face `config.json`.
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::rope::{RopeConfig, RopeScaling, RopeStyle};
+use candle::Result;
+
+/// How the Q/K/V/O projections are stored in the checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QkvLayout {
+    /// Four `nn.Linear`s, `<name>.weight` `(out, in)` (Llama, Mistral, Qwen, Gemma, gpt-oss, Whisper).
+    Separate {
+        q: String,
+        k: String,
+        v: String,
+        o: String,
+        q_bias: bool,
+        k_bias: bool,
+        v_bias: bool,
+        o_bias: bool,
+    },
+    /// GPT-2's `Conv1D`s: `<qkv>.weight` `(hidden, 3·hidden)` (transposed), always with biases.
+    Conv1dPacked { qkv: String, o: String },
+    /// One linear whose output is `(H, 3, head_dim)` per token: GPT-NeoX and BLOOM's `query_key_value`.
+    HeadInterleaved { qkv: String, o: String, bias: bool },
+    /// One linear whose output is `[q | k | v]` (Phi-3's `qkv_proj`).
+    Packed {
+        qkv: String,
+        o: String,
+        qkv_bias: bool,
+        o_bias: bool,
+    },
+}
+
+impl QkvLayout {
+    /// `q_proj`, `k_proj`, `v_proj`, `o_proj`, with the given biases.
+    pub fn separate(q_bias: bool, k_bias: bool, v_bias: bool, o_bias: bool) -> Self {
+        Self::Separate {
+            q: "q_proj".into(),
+            k: "k_proj".into(),
+            v: "v_proj".into(),
+            o: "o_proj".into(),
+            q_bias,
+            k_bias,
+            v_bias,
+            o_bias,
+        }
+    }
+}
+
+/// Per-head RMSNorm on queries and keys (Qwen3, Gemma 3): weights `q_norm.weight`,
+/// `k_norm.weight` `(head_dim)`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QkNorm {
+    pub eps: f64,
+    /// Gemma's RMSNorm multiplies by `1 + weight` instead of `weight`.
+    pub unit_offset: bool,
+}
+
+/// Everything the [`super::DecoderAttention`] layer needs, independent of the model family.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecoderAttentionConfig {
+    pub hidden_size: usize,
+    pub num_heads: usize,
+    /// Key/value heads (GQA/MQA); must divide `num_heads`.
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub layout: QkvLayout,
+    pub qk_norm: Option<QkNorm>,
+    /// Rotary embedding, if any.
+    pub rope: Option<RopeConfig>,
+    /// ALiBi bias (BLOOM's slopes).
+    pub alibi: bool,
+    /// Logit soft-cap (Gemma 2).
+    pub softcap: Option<f64>,
+    /// Learned per-head sinks, weight `sinks` `(num_heads)` (gpt-oss).
+    pub sinks: bool,
+    /// Causal sliding window of exactly this many keys.
+    pub sliding_window: Option<usize>,
+    /// Multiplier of `q · k`.
+    pub scale: f64,
+    /// Keys and values come from the encoder; no causal mask.
+    pub cross_attention: bool,
+    /// Largest position id accepted (exclusive), when the model declares one.
+    pub max_position_embeddings: Option<usize>,
+}
+
+/// The fields of a Hugging Face `config.json` that attention layers read. Every field is
+/// optional here; [`DecoderAttentionConfig::from_hf`] says which one is missing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct HfConfig {
+    pub model_type: Option<String>,
+    pub hidden_size: Option<usize>,
+    /// GPT-2's name for `hidden_size`.
+    pub n_embd: Option<usize>,
+    /// Whisper's name for `hidden_size`.
+    pub d_model: Option<usize>,
+    pub num_attention_heads: Option<usize>,
+    /// GPT-2 / BLOOM's name for `num_attention_heads`.
+    pub n_head: Option<usize>,
+    pub decoder_attention_heads: Option<usize>,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub sliding_window: Option<usize>,
+    pub use_sliding_window: Option<bool>,
+    pub max_window_layers: Option<usize>,
+    pub layer_types: Option<Vec<String>>,
+    pub attention_bias: Option<bool>,
+    pub partial_rotary_factor: Option<f64>,
+    /// GPT-NeoX's older name for `partial_rotary_factor`.
+    pub rotary_pct: Option<f64>,
+    pub rope_theta: Option<f64>,
+    /// GPT-NeoX's older name for `rope_theta`.
+    pub rotary_emb_base: Option<f64>,
+    /// transformers < 5: `{"rope_type"|"type", "factor", …}`.
+    pub rope_scaling: Option<Value>,
+    /// transformers 5: `{"rope_type", "rope_theta", "factor", …}`, possibly one per layer type.
+    pub rope_parameters: Option<Value>,
+    pub max_position_embeddings: Option<usize>,
+    pub n_positions: Option<usize>,
+    pub original_max_position_embeddings: Option<usize>,
+    pub rms_norm_eps: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub scale_attn_weights: Option<bool>,
+    pub scale_attn_by_inverse_layer_idx: Option<bool>,
+    pub rotary_emb_interleaved: Option<bool>,
+}
+
+/// The architectures [`DecoderAttentionConfig::from_hf`] knows (Hugging Face `model_type`s).
+pub const ARCHITECTURES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "gpt2",
+    "gpt_neox",
+    "bloom",
+    "gpt_oss",
+    "whisper",
+];
+
+fn missing(arch: &str, field: &str) -> candle::Error {
+    candle::Error::Msg(format!("{arch} config: missing field '{field}'"))
+}
+
+fn num(v: &Value, key: &str) -> Option<f64> {
+    v.get(key).and_then(Value::as_f64)
+}
+
+impl HfConfig {
+    /// Parses the JSON text of a `config.json`.
+    pub fn from_json(text: &str) -> Result<Self> {
+        serde_json::from_str(text).map_err(|e| candle::Error::Msg(format!("bad Hugging Face config: {e}")))
+    }
+
+    /// The rope parameters for `layer_type`: transformers 5's `rope_parameters` (flat or per
+    /// layer type), else the older `rope_theta` + `rope_scaling` spelling.
+    fn rope_params(&self, layer_type: Option<&str>) -> Value {
+        let mut out = serde_json::Map::new();
+        if let Some(Value::Object(rs)) = &self.rope_scaling {
+            out.extend(rs.clone());
+        }
+        if let Some(Value::Object(rp)) = &self.rope_parameters {
+            let nested = layer_type.and_then(|t| rp.get(t)).and_then(Value::as_object);
+            match nested {
+                Some(inner) => out.extend(inner.clone()),
+                None => out.extend(rp.clone()),
+            }
+        }
+        let theta = self.rope_theta.or(self.rotary_emb_base);
+        if let Some(t) = theta {
+            out.entry("rope_theta").or_insert(Value::from(t));
+        }
+        Value::Object(out)
+    }
+}
+
+impl DecoderAttentionConfig {
+    /// The attention of layer `layer_idx` of a Hugging Face model of type `architecture`
+    /// (one of [`ARCHITECTURES`]). `cross_attention` selects Whisper's `encoder_attn`.
+    pub fn from_hf(
+        architecture: &str,
+        cfg: &HfConfig,
+        layer_idx: usize,
+        cross_attention: bool,
+    ) -> Result<Self> {
+        let arch = architecture;
+        if !ARCHITECTURES.contains(&arch) {
+            candle::bail!(
+                "unknown architecture '{arch}' (known: {})",
+                ARCHITECTURES.join(", ")
+            )
+        }
+        if cross_attention && arch != "whisper" {
+            candle::bail!("{arch} has no cross-attention (only whisper does)")
+        }
+        let hidden = cfg
+            .hidden_size
+            .or(cfg.n_embd)
+            .or(cfg.d_model)
+            .ok_or_else(|| missing(arch, "hidden_size"))?;
+        let heads = match arch {
+            "whisper" => cfg
+                .decoder_attention_heads
+                .ok_or_else(|| missing(arch, "decoder_attention_heads"))?,
+            _ => cfg
+                .num_attention_heads
+                .or(cfg.n_head)
+                .ok_or_else(|| missing(arch, "num_attention_heads"))?,
+        };
+        if heads == 0 {
+            candle::bail!("{arch} config: num_attention_heads must be positive")
+        }
+        let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
+        let head_dim = match cfg.head_dim {
+            Some(d) => d,
+            None => {
+                if !hidden.is_multiple_of(heads) {
+                    candle::bail!(
+                        "{arch} config: hidden_size {hidden} is not divisible by num_attention_heads {heads}"
+                    )
+                }
+                hidden / heads
+            }
+        };
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            candle::bail!("{arch} config: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        }
+        let layer_type = cfg.layer_types.as_ref().map(|t| {
+            t.get(layer_idx).map(String::as_str).ok_or_else(|| {
+                candle::Error::Msg(format!(
+                    "{arch} config: layer_types has no entry for layer {layer_idx}"
+                ))
+            })
+        });
+        let layer_type = layer_type.transpose()?;
+        let sliding = match (layer_type, arch) {
+            (Some(t), _) => (t == "sliding_attention").then_some(()).and(cfg.sliding_window),
+            (None, "mistral") => cfg.sliding_window,
+            (None, "qwen2") => {
+                let from = cfg.max_window_layers.unwrap_or(0);
+                (cfg.use_sliding_window == Some(true) && layer_idx >= from)
+                    .then_some(())
+                    .and(cfg.sliding_window)
+            }
+            _ => None,
+        };
+        if sliding == Some(0) {
+            candle::bail!("{arch} config: sliding_window must be at least 1")
+        }
+        let default_scale = 1.0 / (head_dim as f64).sqrt();
+        let bias = cfg.attention_bias;
+        let max_pos = cfg.max_position_embeddings.or(cfg.n_positions);
+        let mut out = Self {
+            hidden_size: hidden,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            layout: QkvLayout::separate(false, false, false, false),
+            qk_norm: None,
+            rope: None,
+            alibi: false,
+            softcap: None,
+            sinks: false,
+            sliding_window: sliding,
+            scale: default_scale,
+            cross_attention,
+            max_position_embeddings: max_pos,
+        };
+        let rope = |style: RopeStyle| Self::rope_from_hf(arch, cfg, head_dim, layer_type, style).map(Some);
+        match arch {
+            "llama" | "mistral" | "gpt_oss" | "phi3" => {
+                let b = bias.unwrap_or(arch == "gpt_oss");
+                out.layout = if arch == "phi3" {
+                    QkvLayout::Packed {
+                        qkv: "qkv_proj".into(),
+                        o: "o_proj".into(),
+                        qkv_bias: b,
+                        o_bias: b,
+                    }
+                } else {
+                    QkvLayout::separate(b, b, b, b)
+                };
+                out.sinks = arch == "gpt_oss";
+                out.rope = rope(RopeStyle::HalfSplit)?;
+            }
+            "qwen2" => {
+                out.layout = QkvLayout::separate(true, true, true, false);
+                out.rope = rope(RopeStyle::HalfSplit)?;
+            }
+            "qwen3" | "gemma3_text" => {
+                let b = bias.unwrap_or(false);
+                out.layout = QkvLayout::separate(b, b, b, b);
+                out.qk_norm = Some(QkNorm {
+                    eps: cfg.rms_norm_eps.unwrap_or(1e-6),
+                    unit_offset: arch == "gemma3_text",
+                });
+                out.rope = rope(RopeStyle::HalfSplit)?;
+                if arch == "gemma3_text" {
+                    out.scale = 1.0
+                        / cfg
+                            .query_pre_attn_scalar
+                            .ok_or_else(|| missing(arch, "query_pre_attn_scalar"))?
+                            .sqrt();
+                    out.softcap = cfg.attn_logit_softcapping;
+                }
+            }
+            "gemma2" => {
+                let b = bias.unwrap_or(false);
+                out.layout = QkvLayout::separate(b, b, b, b);
+                out.rope = rope(RopeStyle::HalfSplit)?;
+                out.scale = 1.0
+                    / cfg
+                        .query_pre_attn_scalar
+                        .ok_or_else(|| missing(arch, "query_pre_attn_scalar"))?
+                        .sqrt();
+                out.softcap = cfg.attn_logit_softcapping;
+            }
+            "gpt2" => {
+                out.layout = QkvLayout::Conv1dPacked {
+                    qkv: "c_attn".into(),
+                    o: "c_proj".into(),
+                };
+                out.scale = if cfg.scale_attn_weights.unwrap_or(true) {
+                    default_scale
+                } else {
+                    1.0
+                };
+                if cfg.scale_attn_by_inverse_layer_idx.unwrap_or(false) {
+                    out.scale /= (layer_idx + 1) as f64;
+                }
+            }
+            "gpt_neox" => {
+                out.layout = QkvLayout::HeadInterleaved {
+                    qkv: "query_key_value".into(),
+                    o: "dense".into(),
+                    bias: bias.unwrap_or(true),
+                };
+                let style = if cfg.rotary_emb_interleaved == Some(true) {
+                    RopeStyle::Interleaved
+                } else {
+                    RopeStyle::HalfSplit
+                };
+                out.rope = rope(style)?;
+            }
+            "bloom" => {
+                out.layout = QkvLayout::HeadInterleaved {
+                    qkv: "query_key_value".into(),
+                    o: "dense".into(),
+                    bias: true,
+                };
+                out.alibi = true;
+            }
+            "whisper" => {
+                out.layout = QkvLayout::Separate {
+                    q: "q_proj".into(),
+                    k: "k_proj".into(),
+                    v: "v_proj".into(),
+                    o: "out_proj".into(),
+                    q_bias: true,
+                    k_bias: false,
+                    v_bias: true,
+                    o_bias: true,
+                };
+            }
+            _ => unreachable!("architecture list checked above"),
+        }
+        Ok(out)
+    }
+
+    fn rope_from_hf(
+        arch: &str,
+        cfg: &HfConfig,
+        head_dim: usize,
+        layer_type: Option<&str>,
+        style: RopeStyle,
+    ) -> Result<RopeConfig> {
+        let p = cfg.rope_params(layer_type);
+        let theta = num(&p, "rope_theta").ok_or_else(|| missing(arch, "rope_theta"))?;
+        let partial = num(&p, "partial_rotary_factor")
+            .or(cfg.partial_rotary_factor)
+            .or(cfg.rotary_pct)
+            .unwrap_or(1.0);
+        let rotary_dim = (head_dim as f64 * partial) as usize;
+        let kind = p
+            .get("rope_type")
+            .or_else(|| p.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let need = |key: &str| num(&p, key).ok_or_else(|| missing(arch, &format!("rope_parameters.{key}")));
+        let original = || -> Result<f64> {
+            num(&p, "original_max_position_embeddings")
+                .or(cfg.original_max_position_embeddings.map(|v| v as f64))
+                .or(cfg.max_position_embeddings.map(|v| v as f64))
+                .ok_or_else(|| missing(arch, "rope_parameters.original_max_position_embeddings"))
+        };
+        let scaling = match kind {
+            "default" => RopeScaling::Default,
+            "linear" => RopeScaling::Linear {
+                factor: need("factor")?,
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: need("factor")?,
+                low_freq_factor: need("low_freq_factor")?,
+                high_freq_factor: need("high_freq_factor")?,
+                original_max_position_embeddings: original()?,
+            },
+            "yarn" => {
+                let original = original()?;
+                let factor = match num(&p, "factor") {
+                    Some(f) => f,
+                    None => {
+                        cfg.max_position_embeddings
+                            .ok_or_else(|| missing(arch, "rope_parameters.factor"))?
+                            as f64
+                            / original
+                    }
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: original,
+                    beta_fast: num(&p, "beta_fast").filter(|b| *b != 0.0).unwrap_or(32.0),
+                    beta_slow: num(&p, "beta_slow").filter(|b| *b != 0.0).unwrap_or(1.0),
+                    attention_factor: num(&p, "attention_factor"),
+                    mscale: num(&p, "mscale"),
+                    mscale_all_dim: num(&p, "mscale_all_dim"),
+                    truncate: p.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                }
+            }
+            other => candle::bail!(
+                "{arch} config: unsupported rope_type '{other}' (default, linear, llama3, yarn)"
+            ),
+        };
+        Ok(RopeConfig {
+            head_dim,
+            rotary_dim,
+            theta,
+            style,
+            scaling,
+        })
+    }
+}
