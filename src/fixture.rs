@@ -27,6 +27,7 @@ use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::decoder::{DecoderAttention, DecoderAttentionConfig, HfConfig};
 use crate::mask::AttnMask;
 use crate::mha::{MhaArgs, MultiheadAttention, MultiheadAttentionConfig};
 use crate::notes::{AttentionConfig, CausalAttention, MultiHeadAttention, ScaledDotProductAttention};
@@ -42,6 +43,7 @@ pub const KINDS: &[&str] = &[
     "notes_sdpa",
     "notes_multihead",
     "notes_causal",
+    "hf_attention",
 ];
 
 /// Pass threshold of the normalised error for `dtype` (see the module docs).
@@ -84,6 +86,8 @@ pub struct Fixture {
     pub config: Value,
     pub call: Value,
     pub torch_version: Option<String>,
+    /// Every `__metadata__` entry, as stored.
+    pub metadata: HashMap<String, String>,
     tensors: HashMap<String, Tensor>,
 }
 
@@ -168,6 +172,7 @@ impl Fixture {
             config: meta_json(&meta, "config", name)?,
             call: meta_json(&meta, "call", name)?,
             torch_version: meta.get("torch_version").cloned(),
+            metadata: meta.clone(),
             tensors,
         })
     }
@@ -206,6 +211,7 @@ impl Fixture {
             "multihead_attention" => ctx.run_mha()?,
             "notes_sdpa" => ctx.run_notes_sdpa()?,
             "notes_multihead" | "notes_causal" => ctx.run_notes_multihead()?,
+            "hf_attention" => ctx.run_hf()?,
             other => candle::bail!(
                 "fixture '{}': unknown kind '{other}' (known kinds: {})",
                 self.name,
@@ -214,9 +220,9 @@ impl Fixture {
         };
         let mut max_abs = 0f64;
         let mut max_rel = 0f64;
-        for (key, got) in pairs {
+        for Compared { key, got, rows } in pairs {
             let expected = self.tensor(&key)?;
-            let (a, r) = compare(&self.name, &key, &got, expected)?;
+            let (a, r) = compare(&self.name, &key, &got, expected, rows.as_ref())?;
             max_abs = max_abs.max(a);
             max_rel = max_rel.max(r);
         }
@@ -234,7 +240,14 @@ impl Fixture {
 }
 
 /// `(max abs error, max abs error / max(1, max|expected|))`; NaN anywhere counts as infinite.
-fn compare(name: &str, key: &str, got: &Tensor, expected: &Tensor) -> Result<(f64, f64)> {
+/// With `rows` `(B, L)`, only the `(b, l, …)` entries whose row value is non-zero count.
+fn compare(
+    name: &str,
+    key: &str,
+    got: &Tensor,
+    expected: &Tensor,
+    rows: Option<&Tensor>,
+) -> Result<(f64, f64)> {
     if got.dims() != expected.dims() {
         candle::bail!(
             "fixture '{name}': '{key}' has shape {:?} but the layer returned {:?}",
@@ -244,9 +257,24 @@ fn compare(name: &str, key: &str, got: &Tensor, expected: &Tensor) -> Result<(f6
     }
     let g = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
     let e = expected.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let keep: Vec<bool> = match rows {
+        None => vec![true; g.len()],
+        Some(r) => {
+            let r = r.to_dtype(DType::U8)?.flatten_all()?.to_vec1::<u8>()?;
+            if r.is_empty() || g.len() % r.len() != 0 {
+                candle::bail!(
+                    "fixture '{name}': row mask {:?} does not fit '{key}' {:?}",
+                    rows.map(|t| t.dims()),
+                    got.dims()
+                )
+            }
+            let per = g.len() / r.len();
+            (0..g.len()).map(|i| r[i / per] != 0).collect()
+        }
+    };
     let mut max_abs = 0f64;
     let mut scale = 1f64;
-    for (&g, &e) in g.iter().zip(e.iter()) {
+    for ((&g, &e), _) in g.iter().zip(e.iter()).zip(&keep).filter(|(_, &k)| k) {
         let d = (g - e).abs();
         max_abs = if d.is_nan() { f64::INFINITY } else { max_abs.max(d) };
         if e.is_finite() {
@@ -262,7 +290,23 @@ struct Ctx<'a> {
     opts: &'a RunOptions,
 }
 
-type Outputs = Vec<(String, Tensor)>;
+/// A layer output to compare with the stored tensor `key`, optionally only on the
+/// query rows where `rows` `(B, L)` is non-zero.
+struct Compared {
+    key: String,
+    got: Tensor,
+    rows: Option<Tensor>,
+}
+
+fn out(key: &str, got: Tensor) -> Compared {
+    Compared {
+        key: key.to_string(),
+        got,
+        rows: None,
+    }
+}
+
+type Outputs = Vec<Compared>;
 
 impl Ctx<'_> {
     /// An input, cast to the run dtype if it is a float tensor.
@@ -346,13 +390,13 @@ impl Ctx<'_> {
             backend: self.opts.backend,
             ..SdpaOptions::default()
         };
-        let out = scaled_dot_product_attention(
+        let res = scaled_dot_product_attention(
             &self.input("query")?,
             &self.input("key")?,
             &self.input("value")?,
             &opts,
         )?;
-        Ok(vec![("output.out".to_string(), out.output)])
+        Ok(vec![out("output.out", res.output)])
     }
 
     fn run_mha(&self) -> Result<Outputs> {
@@ -369,15 +413,15 @@ impl Ctx<'_> {
             is_causal: self.flag(call, "is_causal", false)?,
             backend: self.opts.backend,
         };
-        let (out, w) = mha.forward_with(
+        let (o, w) = mha.forward_with(
             &self.input("query")?,
             &self.input("key")?,
             &self.input("value")?,
             &args,
         )?;
-        let mut outs = vec![("output.attn_output".to_string(), out)];
+        let mut outs = vec![out("output.attn_output", o)];
         match (w, self.fx.opt_tensor("output.attn_weights")) {
-            (Some(w), _) => outs.push(("output.attn_weights".to_string(), w)),
+            (Some(w), _) => outs.push(out("output.attn_weights", w)),
             (None, Some(_)) => candle::bail!(
                 "fixture '{}': stores output.attn_weights but its call has need_weights = false",
                 self.fx.name
@@ -392,14 +436,14 @@ impl Ctx<'_> {
             candle::Error::Msg(format!("fixture '{}': config needs an integer d_k", self.fx.name))
         })?;
         let layer = ScaledDotProductAttention::new(d_k as usize).with_backend(self.opts.backend);
-        let out = layer.forward_qkv(&self.input("query")?, &self.input("key")?, &self.input("value")?)?;
-        Ok(vec![("output.out".to_string(), out)])
+        let o = layer.forward_qkv(&self.input("query")?, &self.input("key")?, &self.input("value")?)?;
+        Ok(vec![out("output.out", o)])
     }
 
     fn run_notes_multihead(&self) -> Result<Outputs> {
         let cfg: AttentionConfig = self.config()?;
         let (q, k, v) = (self.input("query")?, self.input("key")?, self.input("value")?);
-        let out = if self.fx.kind == "notes_causal" {
+        let o = if self.fx.kind == "notes_causal" {
             CausalAttention::new(&cfg, self.params())?
                 .with_backend(self.opts.backend)
                 .forward_qkv(&q, &k, &v)?
@@ -408,7 +452,64 @@ impl Ctx<'_> {
                 .with_backend(self.opts.backend)
                 .forward_qkv(&q, &k, &v)?
         };
-        Ok(vec![("output.out".to_string(), out)])
+        Ok(vec![out("output.out", o)])
+    }
+}
+
+impl Ctx<'_> {
+    /// `hf_attention`: one Hugging Face attention module, prefill then cached decode steps.
+    fn run_hf(&self) -> Result<Outputs> {
+        let arch = self.fx.metadata.get("architecture").ok_or_else(|| {
+            candle::Error::Msg(format!(
+                "fixture '{}': metadata has no 'architecture'",
+                self.fx.name
+            ))
+        })?;
+        let hf: HfConfig = self.config()?;
+        let call = &self.fx.call;
+        let layer_idx = call.get("layer_idx").and_then(Value::as_u64).unwrap_or(0) as usize;
+        let cross = self.flag(call, "cross_attention", false)?;
+        let cfg = DecoderAttentionConfig::from_hf(arch, &hf, layer_idx, cross)?;
+        let layer = DecoderAttention::new(&cfg, self.params())?.with_backend(self.opts.backend);
+        let mut cache = layer.new_cache()?;
+        let mut outs = Vec::new();
+        let mut step = 0usize;
+        loop {
+            let p = if step == 0 {
+                "".to_string()
+            } else {
+                format!("step{step}.")
+            };
+            if step > 0 && self.fx.opt_tensor(&format!("input.{p}hidden_states")).is_none() {
+                break;
+            }
+            let x = self.input(&format!("{p}hidden_states"))?;
+            let mask = self.opt_input(&format!("{p}attention_mask"))?;
+            let y = if cross {
+                let enc = if step == 0 {
+                    Some(self.input("encoder_hidden_states")?)
+                } else {
+                    None
+                };
+                layer.forward_cross(&x, enc.as_ref(), Some(&mut cache))?
+            } else {
+                let pos = self.input(&format!("{p}position_ids"))?;
+                layer.forward_cached(&x, &pos, mask.as_ref(), Some(&mut cache))?
+            };
+            // Rows of padding queries are unspecified: compare real tokens only.
+            let l = x.dim(1)?;
+            let rows = match &mask {
+                Some(m) => Some(m.narrow(1, m.dim(1)? - l, l)?),
+                None => None,
+            };
+            outs.push(Compared {
+                key: format!("output.{p}attn_output"),
+                got: y,
+                rows,
+            });
+            step += 1;
+        }
+        Ok(outs)
     }
 }
 

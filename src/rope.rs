@@ -113,7 +113,7 @@ impl RotaryEmbedding {
                     .map(|&f| {
                         let wavelen = 2.0 * std::f64::consts::PI / f;
                         let scaled = if wavelen > low_wavelen { f / factor } else { f };
-                        let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                        let medium = (high_wavelen..=low_wavelen).contains(&wavelen);
                         if medium {
                             let smooth =
                                 (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);

@@ -1,0 +1,494 @@
+//! Decoder attention: cache equivalence, left padding, rope/alibi/softcap/sinks, errors.
+mod common;
+use std::collections::HashMap;
+
+use candle_attention::alibi::alibi_slopes;
+use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, HfConfig, QkNorm, QkvLayout};
+use candle_attention::{
+    scaled_dot_product_attention, KvCache, RopeConfig, RopeScaling, RopeStyle, RotaryEmbedding, SdpaOptions,
+};
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::VarBuilder;
+use common::{err_msg, max_diff, randn};
+
+fn llama_like(window: Option<usize>) -> DecoderAttentionConfig {
+    DecoderAttentionConfig {
+        hidden_size: 24,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 8,
+        layout: QkvLayout::separate(true, true, true, true),
+        qk_norm: Some(QkNorm {
+            eps: 1e-6,
+            unit_offset: false,
+        }),
+        rope: Some(RopeConfig {
+            head_dim: 8,
+            rotary_dim: 8,
+            theta: 100.0,
+            style: RopeStyle::HalfSplit,
+            scaling: RopeScaling::Llama3 {
+                factor: 4.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 16.0,
+            },
+        }),
+        alibi: false,
+        softcap: Some(20.0),
+        sinks: true,
+        sliding_window: window,
+        scale: 8f64.powf(-0.5),
+        cross_attention: false,
+        max_position_embeddings: Some(64),
+    }
+}
+
+fn weights(cfg: &DecoderAttentionConfig) -> Result<VarBuilder<'static>> {
+    let (e, qd, kvd) = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let mut m = HashMap::new();
+    for (name, o, i) in [
+        ("q_proj", qd, e),
+        ("k_proj", kvd, e),
+        ("v_proj", kvd, e),
+        ("o_proj", e, qd),
+    ] {
+        m.insert(format!("{name}.weight"), (randn(&[o, i])? * 0.3)?);
+        m.insert(format!("{name}.bias"), (randn(&[o])? * 0.3)?);
+    }
+    m.insert("q_norm.weight".into(), ((randn(&[cfg.head_dim])? * 0.1)? + 1.0)?);
+    m.insert("k_norm.weight".into(), ((randn(&[cfg.head_dim])? * 0.1)? + 1.0)?);
+    m.insert("sinks".into(), randn(&[cfg.num_heads])?);
+    Ok(VarBuilder::from_tensors(m, DType::F32, &Device::Cpu))
+}
+
+fn positions(b: usize, from: usize, l: usize) -> Result<Tensor> {
+    Tensor::arange(from as i64, (from + l) as i64, &Device::Cpu)?
+        .unsqueeze(0)?
+        .broadcast_as((b, l))?
+        .contiguous()
+}
+
+/// Prefill `p` tokens, then decode the rest one by one; compare with one full forward.
+fn prefill_then_decode(
+    layer: &DecoderAttention,
+    cache: &mut KvCache,
+    x: &Tensor,
+    p: usize,
+) -> Result<Tensor> {
+    let (b, n, _) = x.dims3()?;
+    let mut outs =
+        vec![layer.forward_cached(&x.narrow(1, 0, p)?, &positions(b, 0, p)?, None, Some(cache))?];
+    for t in p..n {
+        outs.push(layer.forward_cached(&x.narrow(1, t, 1)?, &positions(b, t, 1)?, None, Some(cache))?);
+    }
+    Tensor::cat(&outs, 1)
+}
+
+#[test]
+fn prefill_plus_cached_steps_equals_one_full_forward() -> Result<()> {
+    let cfg = llama_like(None);
+    let layer = DecoderAttention::new(&cfg, weights(&cfg)?)?;
+    let x = randn(&[2, 11, 24])?;
+    let full = layer.forward(&x)?;
+    for cache in [KvCache::new(), KvCache::with_max_len(11)] {
+        let mut cache = cache;
+        let inc = prefill_then_decode(&layer, &mut cache, &x, 4)?;
+        assert!(max_diff(&full, &inc)? < 1e-5);
+        assert_eq!((cache.len(), cache.seen()), (11, 11));
+    }
+    Ok(())
+}
+
+#[test]
+fn truncate_then_decode_equals_the_full_forward_of_the_new_sequence() -> Result<()> {
+    let cfg = llama_like(None);
+    let layer = DecoderAttention::new(&cfg, weights(&cfg)?)?;
+    let x = randn(&[1, 9, 24])?;
+    let mut cache = KvCache::new();
+    prefill_then_decode(&layer, &mut cache, &x, 5)?; // 9 tokens cached
+    cache.truncate(6)?; // keep 6, then 3 different tokens
+    let alt = randn(&[1, 3, 24])?;
+    let mut outs = Vec::new();
+    for t in 0..3 {
+        outs.push(layer.forward_cached(
+            &alt.narrow(1, t, 1)?,
+            &positions(1, 6 + t, 1)?,
+            None,
+            Some(&mut cache),
+        )?);
+    }
+    let seq = Tensor::cat(&[&x.narrow(1, 0, 6)?, &alt], 1)?;
+    let full = layer.forward(&seq)?.narrow(1, 6, 3)?;
+    assert!(max_diff(&full, &Tensor::cat(&outs, 1)?)? < 1e-5);
+    assert!(err_msg(cache.truncate(10)).contains("10"));
+    Ok(())
+}
+
+#[test]
+fn rotating_cache_equals_the_full_sliding_window_forward() -> Result<()> {
+    let cfg = llama_like(Some(3));
+    let w = weights(&cfg)?;
+    let layer = DecoderAttention::new(&cfg, w.clone())?;
+    let x = randn(&[2, 12, 24])?;
+    let full = layer.forward(&x)?;
+    for p in [1, 2, 5] {
+        let mut cache = layer.new_cache()?;
+        assert_eq!(cache.window(), Some(3));
+        let inc = prefill_then_decode(&layer, &mut cache, &x, p)?;
+        assert!(max_diff(&full, &inc)? < 1e-5, "prefill {p}");
+        assert_eq!(cache.len(), 3);
+    }
+    // The window matters: without it the output differs.
+    let wide = DecoderAttention::new(&llama_like(None), w)?;
+    assert!(max_diff(&full, &wide.forward(&x)?)? > 1e-3);
+    Ok(())
+}
+
+#[test]
+fn rotating_cache_truncates_only_as_far_as_it_remembers() -> Result<()> {
+    let cfg = llama_like(Some(4));
+    let layer = DecoderAttention::new(&cfg, weights(&cfg)?)?;
+    let x = randn(&[1, 10, 24])?;
+    let mut cache = layer.new_cache()?;
+    prefill_then_decode(&layer, &mut cache, &x, 3)?; // holds positions 6..10
+    cache.truncate(9)?; // needs 6..9: still held
+    let y = layer.forward_cached(&x.narrow(1, 9, 1)?, &positions(1, 9, 1)?, None, Some(&mut cache))?;
+    let full = layer.forward(&x)?.narrow(1, 9, 1)?;
+    assert!(max_diff(&full, &y)? < 1e-5);
+    let msg = err_msg(cache.truncate(5));
+    assert!(msg.contains("evicted"), "{msg}");
+    Ok(())
+}
+
+#[test]
+fn left_padded_batch_equals_each_sequence_alone() -> Result<()> {
+    let cfg = llama_like(Some(4));
+    let w = weights(&cfg)?;
+    for window in [None, Some(4)] {
+        let layer = DecoderAttention::new(&llama_like(window), w.clone())?;
+        // Row 0: 7 real tokens; row 1: 2 pads then 5 real tokens; then 3 decode steps.
+        let (n, steps) = (7, 3);
+        let x = randn(&[2, n + steps, 24])?;
+        let mask_row = |pad: usize, len: usize| -> Vec<u8> { (0..len).map(|i| (i >= pad) as u8).collect() };
+        let mask = |len: usize| {
+            Tensor::from_vec(
+                [mask_row(0, len), mask_row(2, len)].concat(),
+                (2, len),
+                &Device::Cpu,
+            )
+        };
+        let pos = |from: usize, len: usize| -> Result<Tensor> {
+            let r0: Vec<i64> = (from..from + len).map(|p| p as i64).collect();
+            let r1: Vec<i64> = (from..from + len).map(|p| (p as i64 - 2).max(0)).collect();
+            Tensor::from_vec([r0, r1].concat(), (2, len), &Device::Cpu)
+        };
+        let mut cache = layer.new_cache()?;
+        let mut outs = vec![layer.forward_cached(
+            &x.narrow(1, 0, n)?,
+            &pos(0, n)?,
+            Some(&mask(n)?),
+            Some(&mut cache),
+        )?];
+        for t in n..n + steps {
+            outs.push(layer.forward_cached(
+                &x.narrow(1, t, 1)?,
+                &pos(t, 1)?,
+                Some(&mask(t + 1)?),
+                Some(&mut cache),
+            )?);
+        }
+        let batch = Tensor::cat(&outs, 1)?;
+        let alone0 = layer.forward(&x.narrow(0, 0, 1)?)?;
+        let alone1 = layer.forward(&x.narrow(0, 1, 1)?.narrow(1, 2, n + steps - 2)?)?;
+        assert!(max_diff(&batch.narrow(0, 0, 1)?, &alone0)? < 1e-5, "{window:?}");
+        assert!(
+            max_diff(&batch.narrow(0, 1, 1)?.narrow(1, 2, n + steps - 2)?, &alone1)? < 1e-5,
+            "{window:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn rope_rotates_pairs_by_position_times_frequency() -> Result<()> {
+    let cfg = RopeConfig {
+        head_dim: 6,
+        rotary_dim: 4,
+        theta: 10.0,
+        style: RopeStyle::HalfSplit,
+        scaling: RopeScaling::Default,
+    };
+    let rope = RotaryEmbedding::new(&cfg)?;
+    let x = randn(&[1, 1, 3, 6])?;
+    let pos = positions(1, 5, 3)?;
+    let (cos, sin) = rope.cos_sin(&pos, DType::F32)?;
+    let y = rope.apply(&x, &cos, &sin)?;
+    let half = RotaryEmbedding::new(&RopeConfig {
+        style: RopeStyle::Interleaved,
+        ..cfg.clone()
+    })?;
+    let yi = half.apply(&x, &cos, &sin)?;
+    let xv = x.flatten_all()?.to_vec1::<f32>()?;
+    let (yv, yiv) = (
+        y.flatten_all()?.to_vec1::<f32>()?,
+        yi.flatten_all()?.to_vec1::<f32>()?,
+    );
+    for t in 0..3 {
+        let p = (5 + t) as f64;
+        let r = &xv[t * 6..t * 6 + 6];
+        for i in 0..2 {
+            let a = p * 10f64.powf(-(2.0 * i as f64) / 4.0);
+            let (c, s) = (a.cos() as f32, a.sin() as f32);
+            // half-split: pairs (i, i + 2)
+            assert!((yv[t * 6 + i] - (r[i] * c - r[i + 2] * s)).abs() < 1e-5);
+            assert!((yv[t * 6 + i + 2] - (r[i + 2] * c + r[i] * s)).abs() < 1e-5);
+            // interleaved: pairs (2i, 2i + 1)
+            assert!((yiv[t * 6 + 2 * i] - (r[2 * i] * c - r[2 * i + 1] * s)).abs() < 1e-5);
+            assert!((yiv[t * 6 + 2 * i + 1] - (r[2 * i + 1] * c + r[2 * i] * s)).abs() < 1e-5);
+        }
+        // the last two dims pass through
+        assert_eq!(&yv[t * 6 + 4..t * 6 + 6], &r[4..6]);
+    }
+    Ok(())
+}
+
+#[test]
+fn rope_scalings_follow_their_rules() -> Result<()> {
+    let base = RopeConfig {
+        head_dim: 64,
+        rotary_dim: 64,
+        theta: 10000.0,
+        style: RopeStyle::HalfSplit,
+        scaling: RopeScaling::Default,
+    };
+    let plain = RotaryEmbedding::new(&base)?;
+    let lin = RotaryEmbedding::new(&RopeConfig {
+        scaling: RopeScaling::Linear { factor: 4.0 },
+        ..base.clone()
+    })?;
+    for (a, b) in plain.inv_freq().iter().zip(lin.inv_freq()) {
+        assert!((a / 4.0 - b).abs() < 1e-15);
+    }
+    let l3 = RotaryEmbedding::new(&RopeConfig {
+        scaling: RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        },
+        ..base.clone()
+    })?;
+    let two_pi = 2.0 * std::f64::consts::PI;
+    for (a, b) in plain.inv_freq().iter().zip(l3.inv_freq()) {
+        let wl = two_pi / a;
+        if wl < 8192.0 / 4.0 {
+            assert_eq!(a, b); // high frequency: kept
+        } else if wl > 8192.0 {
+            assert!((a / 8.0 - b).abs() < 1e-15); // low frequency: divided by factor
+        } else {
+            assert!(*b < *a && *b > a / 8.0); // in between
+        }
+    }
+    let yarn = RotaryEmbedding::new(&RopeConfig {
+        scaling: RopeScaling::Yarn {
+            factor: 32.0,
+            original_max_position_embeddings: 4096.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: false,
+        },
+        ..base.clone()
+    })?;
+    assert!((yarn.attention_scaling() - (0.1 * 32f64.ln() + 1.0)).abs() < 1e-12);
+    let (f0, fl) = (yarn.inv_freq()[0], *yarn.inv_freq().last().unwrap());
+    assert_eq!(f0, plain.inv_freq()[0]); // fastest dims extrapolate
+    assert!((fl - plain.inv_freq().last().unwrap() / 32.0).abs() < 1e-18); // slowest interpolate
+    assert!(err_msg(RotaryEmbedding::new(&RopeConfig {
+        rotary_dim: 7,
+        ..base.clone()
+    }))
+    .contains('7'));
+    assert!(err_msg(RotaryEmbedding::new(&RopeConfig { theta: 0.5, ..base })).contains("rope_theta"));
+    Ok(())
+}
+
+#[test]
+fn alibi_slopes_follow_the_bloom_rule() {
+    // Powers of two: the geometric series 2^(-8k/n).
+    for n in [1usize, 2, 4, 8, 16] {
+        let s = alibi_slopes(n);
+        for (k, v) in s.iter().enumerate() {
+            assert!(
+                (v - 2f64.powf(-8.0 * (k + 1) as f64 / n as f64)).abs() < 1e-15,
+                "n {n}"
+            );
+        }
+    }
+    // Otherwise: the series for the power of two below, then odd terms of the series for twice that.
+    let s6 = alibi_slopes(6);
+    let (s4, s8) = (alibi_slopes(4), alibi_slopes(8));
+    assert_eq!(&s6[..4], &s4[..]);
+    assert_eq!(s6[4], s8[0]);
+    assert_eq!(s6[5], s8[2]);
+}
+
+#[test]
+fn sinks_and_softcap_change_the_softmax_as_specified() -> Result<()> {
+    let (q, k, v) = (
+        randn(&[1, 2, 3, 4])?,
+        randn(&[1, 2, 5, 4])?,
+        randn(&[1, 2, 5, 4])?,
+    );
+    let scale = 0.5;
+    let plain = scaled_dot_product_attention(
+        &q,
+        &k,
+        &v,
+        &SdpaOptions::new().with_scale(scale).with_weights(true),
+    )?;
+    let sinks = Tensor::new(&[0.3f32, -1.2], &Device::Cpu)?;
+    let with = scaled_dot_product_attention(
+        &q,
+        &k,
+        &v,
+        &SdpaOptions::new()
+            .with_scale(scale)
+            .with_weights(true)
+            .with_sinks(sinks.clone()),
+    )?;
+    // Each row keeps the plain distribution, scaled by Z / (Z + e^sink).
+    let scores = (q.matmul(&k.t()?)? * scale)?;
+    let z = scores.exp()?.sum_keepdim(D::Minus1)?; // (1, 2, 3, 1)
+    let es = sinks.exp()?.reshape((1, 2, 1, 1))?;
+    let factor = z.broadcast_div(&z.broadcast_add(&es)?)?;
+    let want = plain.weights.unwrap().broadcast_mul(&factor)?;
+    assert!(max_diff(&with.weights.unwrap(), &want)? < 1e-6);
+    // Softcap: weights = softmax(cap · tanh(scores / cap)).
+    let cap = 1.5;
+    let capped = scaled_dot_product_attention(
+        &q,
+        &k,
+        &v,
+        &SdpaOptions::new()
+            .with_scale(scale)
+            .with_weights(true)
+            .with_softcap(cap),
+    )?;
+    let want = candle_nn::ops::softmax_last_dim(&((scores / cap)?.tanh()? * cap)?)?;
+    assert!(max_diff(&capped.weights.unwrap(), &want)? < 1e-6);
+    assert!(err_msg(scaled_dot_product_attention(
+        &q,
+        &k,
+        &v,
+        &SdpaOptions::new().with_softcap(0.0)
+    ))
+    .contains("softcap"));
+    let bad = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
+    assert!(err_msg(scaled_dot_product_attention(
+        &q,
+        &k,
+        &v,
+        &SdpaOptions::new().with_sinks(bad)
+    ))
+    .contains("[3]"));
+    Ok(())
+}
+
+#[test]
+fn fixed_cache_overflow_is_an_error() -> Result<()> {
+    let cfg = llama_like(None);
+    let layer = DecoderAttention::new(&cfg, weights(&cfg)?)?;
+    let mut cache = KvCache::with_max_len(5);
+    let x = randn(&[1, 4, 24])?;
+    layer.forward_cached(&x, &positions(1, 0, 4)?, None, Some(&mut cache))?;
+    let msg =
+        err_msg(layer.forward_cached(&x.narrow(1, 0, 2)?, &positions(1, 4, 2)?, None, Some(&mut cache)));
+    assert!(msg.contains("overflow") && msg.contains('5'), "{msg}");
+    Ok(())
+}
+
+#[test]
+fn bad_positions_and_masks_are_errors() -> Result<()> {
+    let cfg = llama_like(None);
+    let layer = DecoderAttention::new(&cfg, weights(&cfg)?)?;
+    let x = randn(&[1, 3, 24])?;
+    let neg = Tensor::new(&[[0i64, -1, 2]], &Device::Cpu)?;
+    assert!(err_msg(layer.forward_cached(&x, &neg, None, None)).contains("out of range"));
+    let big = Tensor::new(&[[0i64, 1, 64]], &Device::Cpu)?;
+    let msg = err_msg(layer.forward_cached(&x, &big, None, None));
+    assert!(msg.contains("out of range") && msg.contains("64"), "{msg}");
+    let msg = err_msg(layer.forward_cached(&x, &positions(1, 0, 2)?, None, None));
+    assert!(msg.contains("[1, 2]"), "{msg}");
+    let am = Tensor::ones((1, 4), DType::U8, &Device::Cpu)?;
+    let msg = err_msg(layer.forward_cached(&x, &positions(1, 0, 3)?, Some(&am), None));
+    assert!(msg.contains("[1, 4]"), "{msg}");
+    let msg = err_msg(layer.forward(&randn(&[1, 3, 25])?));
+    assert!(msg.contains("[1, 3, 25]"), "{msg}");
+    Ok(())
+}
+
+fn hf(json: &str) -> HfConfig {
+    HfConfig::from_json(json).unwrap()
+}
+
+#[test]
+fn hf_config_errors_name_the_problem() -> Result<()> {
+    let ok =
+        r#"{"hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}"#;
+    DecoderAttentionConfig::from_hf("llama", &hf(ok), 0, false)?;
+    let msg = err_msg(DecoderAttentionConfig::from_hf("mamba", &hf(ok), 0, false));
+    assert!(
+        msg.contains("unknown architecture 'mamba'") && msg.contains("llama"),
+        "{msg}"
+    );
+    let msg = err_msg(DecoderAttentionConfig::from_hf(
+        "llama",
+        &hf(r#"{"num_attention_heads": 4}"#),
+        0,
+        false,
+    ));
+    assert!(msg.contains("missing field 'hidden_size'"), "{msg}");
+    let msg = err_msg(DecoderAttentionConfig::from_hf(
+        "llama",
+        &hf(r#"{"hidden_size": 24, "num_attention_heads": 4}"#),
+        0,
+        false,
+    ));
+    assert!(msg.contains("rope_theta"), "{msg}");
+    let bad_heads =
+        r#"{"hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 3, "rope_theta": 1e4}"#;
+    let msg = err_msg(DecoderAttentionConfig::from_hf("llama", &hf(bad_heads), 0, false));
+    assert!(msg.contains("num_key_value_heads 3"), "{msg}");
+    let msg = err_msg(DecoderAttentionConfig::from_hf("gemma2", &hf(ok), 0, false));
+    assert!(msg.contains("query_pre_attn_scalar"), "{msg}");
+    let msg = err_msg(DecoderAttentionConfig::from_hf("llama", &hf(ok), 0, true));
+    assert!(msg.contains("cross-attention"), "{msg}");
+    let mut cfg = llama_like(None);
+    cfg.num_kv_heads = 3;
+    let msg = err_msg(DecoderAttention::new(&cfg, weights(&llama_like(None))?));
+    assert!(msg.contains("num_kv_heads (3)"), "{msg}");
+    Ok(())
+}
+
+#[test]
+fn both_rope_spellings_give_the_same_layer() -> Result<()> {
+    let old = r#"{"hidden_size": 32, "num_attention_heads": 4, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}}"#;
+    let new = r#"{"hidden_size": 32, "num_attention_heads": 4,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#;
+    let a = DecoderAttentionConfig::from_hf("llama", &hf(old), 0, false)?;
+    let b = DecoderAttentionConfig::from_hf("llama", &hf(new), 0, false)?;
+    assert_eq!(a, b);
+    assert!(matches!(a.rope.unwrap().scaling, RopeScaling::Llama3 { .. }));
+    Ok(())
+}
