@@ -585,7 +585,8 @@ HF_CASES = [
            B=2, L=6, steps=4, left_pad=(0, 2), all_dtypes=True),
     HfCase("qwen3", "qwen3_qk_norm_head_dim",
            dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                num_hidden_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+                num_hidden_layers=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
            B=2, L=6, steps=4, left_pad=(1, 0), all_dtypes=True),
     HfCase("gemma2", "gemma2_sliding_softcap",
            dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -603,7 +604,8 @@ HF_CASES = [
            dict(n_embd=32, n_head=4, n_layer=1, n_positions=64),
            B=2, L=6, steps=4, left_pad=(2, 0), all_dtypes=True),
     HfCase("gpt2", "gpt2_inverse_layer_idx",
-           dict(n_embd=32, n_head=4, n_layer=2, n_positions=64, scale_attn_by_inverse_layer_idx=True),
+           dict(n_embd=32, n_head=4, n_layer=2, n_positions=64,
+                scale_attn_by_inverse_layer_idx=True),
            layer_idx=1, B=1, L=5, steps=4),
     HfCase("gpt_neox", "gpt_neox_partial_rotary_leftpad",
            dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
@@ -644,7 +646,8 @@ HF_COMMON_CONFIG = {"vocab_size": 16, "attn_implementation": "eager"}
 HF_ARCH_CONFIG = {
     "gpt2": {"n_inner": 16, "bos_token_id": 0, "eos_token_id": 0},
     "bloom": {},
-    # the MoE's default grouped_mm kernel has no float64; YaRN wants max_position = factor * original
+    # the MoE's default grouped_mm kernel has no float64;
+    # YaRN wants max_position_embeddings = factor * original_max_position_embeddings
     "gpt_oss": {"intermediate_size": 16, "experts_implementation": "eager",
                 "max_position_embeddings": 256},
     "whisper": {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
@@ -696,8 +699,8 @@ class HfRun:
         self.promote = promote
         self.attn = hf_submodule(self.model, self.arch.attn_path.format(i=c.layer_idx))
         self.feed: list[torch.Tensor] = []
-        self.seen: list[dict] = []
         self.outputs: list[torch.Tensor] = []
+        self.encoder: torch.Tensor | None = None
         self.attn.register_forward_pre_hook(self._pre, with_kwargs=True)
         self.attn.register_forward_hook(self._post, with_kwargs=True)
 
@@ -717,7 +720,8 @@ class HfRun:
                 args[1] = zero
             else:
                 kwargs["residual"] = zero
-        self.seen.append({"kwargs": sorted(kwargs), "nargs": len(args)})
+        if self.arch.cross_attention:   # the key/value states are exactly the stored ones
+            assert torch.equal(kwargs["key_value_states"], self.encoder)
         return tuple(args), kwargs
 
     def _post(self, module, args, kwargs, output):
@@ -734,13 +738,15 @@ class HfRun:
         if self.arch.takes_position_ids:
             kw["position_ids"] = pos
         if encoder is not None:
-            kw["encoder_hidden_states"] = encoder
+            kw["encoder_hidden_states"] = self.encoder = encoder
         with torch.no_grad(), hf_float64(self.promote):
             out = self.model(**kw)
-        assert not self.feed, "the attention module was not called exactly once"
+        assert not self.feed and len(self.outputs) == 1, "the module ran more than once"
         return self.outputs.pop(), getattr(out, "cache", None)
 
-    def run(self, prefill: dict, steps: list[dict]) -> tuple[torch.Tensor, list[torch.Tensor], object]:
+    def run(self, prefill: dict, steps: list[dict]):
+        """Prefill, then each step with the cache the model returned:
+        (prefill output, step outputs, final cache)."""
         out, cache = self.forward(**prefill, cache=None)
         step_outs = []
         for s in steps:
@@ -760,7 +766,7 @@ def hf_draw_inputs(c: HfCase, d: Draw, hidden: int, dtype: torch.dtype):
             mask[b, :p] = False
     pos = hf_positions(mask, c.B, T)
     x = rounded(d.randn(c.B, T, hidden, std=1.0), dtype)          # attention-module inputs
-    emb = d.randn(c.B, T, hidden, std=1.0)                        # model inputs_embeds (unused values)
+    emb = d.randn(c.B, T, hidden, std=1.0)                        # model inputs_embeds (irrelevant)
     enc = rounded(d.randn(c.B, c.S, hidden, std=1.0), dtype) if c.S else None
 
     def part(lo, hi):
@@ -773,7 +779,7 @@ def hf_draw_inputs(c: HfCase, d: Draw, hidden: int, dtype: torch.dtype):
     return x, mask, pos, enc, prefill, steps
 
 
-def hf_randomize(attn: nn.Module, d: Draw, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
+def hf_randomize(attn: nn.Module, d: Draw, dtype: torch.dtype, std: float) -> dict:
     """Random values for every entry of the attention module's state_dict, rounded to dtype."""
     params = {}
     buffers = {n for n, _ in attn.named_buffers()}
@@ -815,7 +821,8 @@ def build_hf_attention(c: HfCase, dtype: torch.dtype) -> Fixture:
     call = {"layer_idx": c.layer_idx, "cross_attention": HF_ARCHS[c.arch].cross_attention}
     fx = Fixture("hf_attention", c.name, config, call, params=params, inputs=inputs,
                  outputs=outputs,
-                 metadata={"architecture": c.arch, "transformers_version": transformers.__version__})
+                 metadata={"architecture": c.arch,
+                           "transformers_version": transformers.__version__})
 
     # Prove the oracle.
     valid = torch.ones(c.B, c.L + c.steps, dtype=torch.bool) if mask is None else mask
@@ -843,7 +850,8 @@ def hf_check_cache(c: HfCase, run: HfRun, cache):
         return
     assert type(cache).__name__ == "DynamicCache", type(cache)
     layer = cache.layers[c.layer_idx]
-    window = hf_window(c.arch, json.loads(json.dumps(run.config.to_dict(), default=str)), c.layer_idx)
+    config = json.loads(json.dumps(run.config.to_dict(), default=str))
+    window = hf_window(c.arch, config, c.layer_idx)
     total = c.L + c.steps
     if window is None:
         assert type(layer).__name__ == "DynamicLayer" and layer.keys.shape[-2] == total
@@ -883,7 +891,8 @@ def hf_window(arch: str, cfg: dict, layer_idx: int) -> int | None:
     if arch == "mistral":
         return cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3", "gemma2", "gpt_oss"):
-        return cfg["sliding_window"] if cfg["layer_types"][layer_idx] == "sliding_attention" else None
+        sliding = cfg["layer_types"][layer_idx] == "sliding_attention"
+        return cfg["sliding_window"] if sliding else None
     return None
 
 

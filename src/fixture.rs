@@ -192,6 +192,16 @@ impl Fixture {
         self.tensors.get(key)
     }
 
+    /// A `VarBuilder` over the `param.*` tensors (keys without the prefix), loading in `dtype`.
+    pub fn params(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        let map: HashMap<String, Tensor> = self
+            .tensors
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix("param.").map(|k| (k.to_string(), v.clone())))
+            .collect();
+        VarBuilder::from_tensors(map, dtype, device)
+    }
+
     /// Names of all stored tensors, sorted.
     pub fn tensor_names(&self) -> Vec<&str> {
         let mut v: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
@@ -330,15 +340,8 @@ impl Ctx<'_> {
         }
     }
 
-    /// A `VarBuilder` over the `param.*` tensors, keys without the prefix.
     fn params(&self) -> VarBuilder<'static> {
-        let map: HashMap<String, Tensor> = self
-            .fx
-            .tensors
-            .iter()
-            .filter_map(|(k, v)| k.strip_prefix("param.").map(|k| (k.to_string(), v.clone())))
-            .collect();
-        VarBuilder::from_tensors(map, self.dt, &self.opts.device)
+        self.fx.params(self.dt, &self.opts.device)
     }
 
     fn config<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
