@@ -1,0 +1,463 @@
+//! Times this crate's SDPA against candle's own paths, side by side in one process.
+//!
+//! ```text
+//! cargo run --release --example bench -- [--json] [--case NAME] [--dtype f32|bf16|f16] [--rounds N] [--min-secs S]
+//! ```
+//!
+//! Implementations (`impl`): `ours` (this crate, default dispatch), `candle_unfused`
+//! (matmul → `candle_nn::ops::softmax_last_dim` → matmul, as candle-transformers models
+//! write it, with `repeat_kv` for GQA and the mask built outside the timed region) and
+//! `candle_flash` (`candle_nn::attention::flash_attn`, where it accepts the case).
+//!
+//! Timing rule: after a warm-up, each implementation is timed `rounds` times (default 5),
+//! alternating between implementations, each timing running whole calls for at least
+//! `min-secs` (default 1 s); the figure is the median time per call. `gflops` counts
+//! `4·B·Hq·D` per visible (query, key) pair (causal cases count only visible pairs), plus
+//! the projections for `mha_layer`; `gbps` counts bytes of q, k, v read and the output
+//! written. `peak_rss_mb` is the growth of the process's peak RSS during one call.
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_attention::{sdpa, AttnMask, MhaArgs, MultiheadAttention, MultiheadAttentionConfig, SdpaOptions};
+use candle_core::{DType, Device, Module, Tensor};
+
+#[derive(Clone, Copy)]
+struct Case {
+    name: &'static str,
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    l: usize,
+    s: usize,
+    d: usize,
+    causal: bool,
+    pad: bool,
+    dtypes: &'static [DType],
+}
+
+const ALL: &[DType] = &[DType::F32, DType::BF16, DType::F16];
+const F32: &[DType] = &[DType::F32];
+
+const CASES: &[Case] = &[
+    Case {
+        name: "enc512",
+        b: 1,
+        hq: 16,
+        hkv: 16,
+        l: 512,
+        s: 512,
+        d: 64,
+        causal: false,
+        pad: false,
+        dtypes: ALL,
+    },
+    Case {
+        name: "enc1k_d128",
+        b: 1,
+        hq: 16,
+        hkv: 16,
+        l: 1024,
+        s: 1024,
+        d: 128,
+        causal: false,
+        pad: false,
+        dtypes: ALL,
+    },
+    Case {
+        name: "gpt1k_causal",
+        b: 1,
+        hq: 32,
+        hkv: 32,
+        l: 1024,
+        s: 1024,
+        d: 64,
+        causal: true,
+        pad: false,
+        dtypes: ALL,
+    },
+    Case {
+        name: "gpt2k_causal_d128",
+        b: 1,
+        hq: 32,
+        hkv: 32,
+        l: 2048,
+        s: 2048,
+        d: 128,
+        causal: true,
+        pad: false,
+        dtypes: ALL,
+    },
+    Case {
+        name: "bert_pad",
+        b: 8,
+        hq: 12,
+        hkv: 12,
+        l: 128,
+        s: 128,
+        d: 64,
+        causal: false,
+        pad: true,
+        dtypes: ALL,
+    },
+    Case {
+        name: "long8k_causal",
+        b: 1,
+        hq: 8,
+        hkv: 8,
+        l: 8192,
+        s: 8192,
+        d: 64,
+        causal: true,
+        pad: false,
+        dtypes: F32,
+    },
+    Case {
+        name: "decode_gqa",
+        b: 1,
+        hq: 32,
+        hkv: 8,
+        l: 1,
+        s: 4096,
+        d: 128,
+        causal: false,
+        pad: false,
+        dtypes: ALL,
+    },
+    Case {
+        name: "decode_b4",
+        b: 4,
+        hq: 32,
+        hkv: 32,
+        l: 1,
+        s: 2048,
+        d: 128,
+        causal: false,
+        pad: false,
+        dtypes: ALL,
+    },
+    Case {
+        name: "mha_layer",
+        b: 8,
+        hq: 12,
+        hkv: 12,
+        l: 128,
+        s: 128,
+        d: 64,
+        causal: false,
+        pad: false,
+        dtypes: F32,
+    },
+];
+
+fn dtype_name(dt: DType) -> &'static str {
+    dt.as_str()
+}
+
+/// Visible (query, key) pairs.
+fn pairs(c: &Case) -> f64 {
+    if !c.causal {
+        return (c.l * c.s) as f64;
+    }
+    (0..c.l).map(|i| (i + 1).min(c.s)).sum::<usize>() as f64
+}
+
+fn rss_kb(field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Peak-RSS growth (MB) during one call, using Linux's resettable high-water mark.
+fn peak_rss_growth_mb(f: &dyn Fn() -> Result<Tensor>) -> Result<f64> {
+    let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+    let before = rss_kb("VmRSS:").unwrap_or(0);
+    drop(f()?);
+    let peak = rss_kb("VmHWM:").unwrap_or(0);
+    Ok(if reset {
+        peak.saturating_sub(before) as f64 / 1024.0
+    } else {
+        f64::NAN
+    })
+}
+
+type Impl = (&'static str, Box<dyn Fn() -> Result<Tensor>>);
+
+fn repeat_kv(x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
+    if n == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h, s, d) = x.dims4()?;
+    Tensor::cat(&vec![x; n], 2)?.reshape((b, h * n, s, d))
+}
+
+fn unfused(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    g: usize,
+) -> candle_core::Result<Tensor> {
+    let k = repeat_kv(k, g)?;
+    let v = repeat_kv(v, g)?;
+    let mut s = (q.matmul(&k.t()?)? * scale)?;
+    if let Some(m) = mask {
+        s = s.broadcast_add(m)?;
+    }
+    candle_nn::ops::softmax_last_dim(&s)?.matmul(&v)
+}
+
+fn flash(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    mask: candle_nn::attention::AttnMask,
+) -> candle_core::Result<Tensor> {
+    use candle_nn::attention::flash_attn;
+    match q.dtype() {
+        DType::F32 => flash_attn::<f32>(q, k, v, scale, mask, None, None),
+        DType::F16 => flash_attn::<half::f16>(q, k, v, scale, mask, None, None),
+        DType::BF16 => flash_attn::<half::bf16>(q, k, v, scale, mask, None, None),
+        dt => candle_core::bail!("flash_attn: no {dt:?}"),
+    }
+}
+
+struct Row {
+    case: &'static str,
+    imp: &'static str,
+    dtype: DType,
+    ms: f64,
+    gflops: f64,
+    gbps: f64,
+    peak_rss_mb: f64,
+}
+
+fn bench_case(c: &Case, dt: DType, rounds: usize, min_secs: f64) -> Result<Vec<Row>> {
+    let dev = Device::Cpu;
+    let rnd =
+        |shape: &[usize]| -> Result<Tensor> { Ok(Tensor::randn(0f32, 1f32, shape, &dev)?.to_dtype(dt)?) };
+    let scale = 1.0 / (c.d as f64).sqrt();
+    let g = c.hq / c.hkv;
+    let mut impls: Vec<Impl> = Vec::new();
+    let flops;
+    let bytes;
+    if c.name == "mha_layer" {
+        let e = c.hq * c.d;
+        let x = rnd(&[c.b, c.l, e])?;
+        let cfg = MultiheadAttentionConfig {
+            batch_first: true,
+            ..MultiheadAttentionConfig::new(e, c.hq)
+        };
+        let map = [
+            ("in_proj_weight", rnd(&[3 * e, e])?),
+            ("in_proj_bias", rnd(&[3 * e])?),
+            ("out_proj.weight", rnd(&[e, e])?),
+            ("out_proj.bias", rnd(&[e])?),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let mha = MultiheadAttention::new(&cfg, candle_nn::VarBuilder::from_tensors(map, dt, &dev))?;
+        let (w_in, b_in) = (rnd(&[3 * e, e])?, rnd(&[3 * e])?);
+        let (w_out, b_out) = (rnd(&[e, e])?, rnd(&[e])?);
+        let xr = x.clone();
+        impls.push((
+            "ours",
+            Box::new(move || {
+                let args = MhaArgs {
+                    need_weights: false,
+                    ..MhaArgs::default()
+                };
+                Ok(mha.forward_with(&xr, &xr, &xr, &args)?.0)
+            }),
+        ));
+        let (b, l, h, d) = (c.b, c.l, c.hq, c.d);
+        impls.push((
+            "candle_unfused",
+            Box::new(move || {
+                let lin_in = candle_nn::Linear::new(w_in.clone(), Some(b_in.clone()));
+                let qkv = lin_in.forward(&x)?.reshape((b, l, 3, h, d))?;
+                let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?.contiguous();
+                let o = unfused(&part(0)?, &part(1)?, &part(2)?, None, scale, 1)?;
+                let o = o.transpose(1, 2)?.reshape((b, l, h * d))?;
+                Ok(candle_nn::Linear::new(w_out.clone(), Some(b_out.clone())).forward(&o)?)
+            }),
+        ));
+        flops = 4.0 * (c.b * c.hq * c.d) as f64 * pairs(c) + 2.0 * (c.b * c.l * e * e) as f64 * 4.0;
+        bytes = (2 * c.b * c.l * e) as f64 * dt.size_in_bytes() as f64;
+    } else {
+        let q = rnd(&[c.b, c.hq, c.l, c.d])?;
+        let k = rnd(&[c.b, c.hkv, c.s, c.d])?;
+        let v = rnd(&[c.b, c.hkv, c.s, c.d])?;
+        // Key padding: in half the batch rows, the last quarter of the keys is masked.
+        let keep = if c.pad {
+            let rows: Vec<u8> = (0..c.b)
+                .flat_map(|b| (0..c.s).map(move |j| !(b % 2 == 1 && j >= c.s - c.s / 4) as u8))
+                .collect();
+            Some(Tensor::from_vec(rows, (c.b, 1, 1, c.s), &dev)?)
+        } else {
+            None
+        };
+        let mut opts = SdpaOptions::new().with_causal(c.causal).with_gqa(g > 1);
+        if let Some(m) = &keep {
+            opts = opts.with_mask(AttnMask::keep(m)?);
+        }
+        let add_mask = match (&keep, c.causal) {
+            (Some(m), _) => Some(m.where_cond(
+                &Tensor::zeros(m.shape(), dt, &dev)?,
+                &Tensor::full(f32::NEG_INFINITY, m.shape(), &dev)?.to_dtype(dt)?,
+            )?),
+            (None, true) => {
+                let mut data = vec![0f32; c.l * c.s];
+                for i in 0..c.l {
+                    for j in i + 1..c.s {
+                        data[i * c.s + j] = f32::NEG_INFINITY;
+                    }
+                }
+                Some(Tensor::from_vec(data, (c.l, c.s), &dev)?.to_dtype(dt)?)
+            }
+            _ => None,
+        };
+        let (qr, kr, vr) = (q.clone(), k.clone(), v.clone());
+        impls.push(("ours", Box::new(move || Ok(sdpa(&qr, &kr, &vr, &opts)?))));
+        let skip_unfused = c.name == "long8k_causal"; // 8192² scores per head: ~2 GB of f32
+        if !skip_unfused {
+            let (qr, kr, vr, am) = (q.clone(), k.clone(), v.clone(), add_mask.clone());
+            impls.push((
+                "candle_unfused",
+                Box::new(move || Ok(unfused(&qr, &kr, &vr, am.as_ref(), scale, g)?)),
+            ));
+        }
+        // candle's flash_attn takes (B, S, H, D).
+        let qf = q.transpose(1, 2)?.contiguous()?;
+        let kf = k.transpose(1, 2)?.contiguous()?;
+        let vf = v.transpose(1, 2)?.contiguous()?;
+        let cmask = if c.causal {
+            candle_nn::attention::AttnMask::causal()
+        } else if c.pad {
+            // Only B=1 takes an explicit mask; B=8 is refused (recorded as not accepted).
+            candle_nn::attention::AttnMask::Mask(add_mask.clone().unwrap_or(q.zeros_like()?))
+        } else {
+            candle_nn::attention::AttnMask::None
+        };
+        impls.push((
+            "candle_flash",
+            Box::new(move || Ok(flash(&qf, &kf, &vf, scale as f32, cmask.clone())?)),
+        ));
+        flops = 4.0 * (c.b * c.hq * c.d) as f64 * pairs(c);
+        let el = (c.b * c.hq * c.l * c.d * 2 + c.b * c.hkv * c.s * c.d * 2) as f64;
+        bytes = el * dt.size_in_bytes() as f64;
+    }
+
+    // Warm-up, acceptance, calibration and memory.
+    let mut runnable = Vec::new();
+    for (name, f) in impls {
+        let t0 = Instant::now();
+        match f() {
+            Ok(_) => {}
+            Err(e) => {
+                let first = e.to_string().lines().next().unwrap_or_default().to_string();
+                eprintln!("# {} {} {}: not accepted: {first}", c.name, name, dtype_name(dt));
+                continue;
+            }
+        }
+        let once = t0.elapsed().as_secs_f64();
+        let iters = ((min_secs / once.max(1e-9)).ceil() as usize).max(1);
+        let rss = peak_rss_growth_mb(&*f)?;
+        runnable.push((name, f, iters, rss, Vec::new()));
+    }
+    for _ in 0..rounds {
+        for (_, f, iters, _, times) in runnable.iter_mut() {
+            let t0 = Instant::now();
+            for _ in 0..*iters {
+                drop(f()?);
+            }
+            times.push(t0.elapsed().as_secs_f64() / *iters as f64);
+        }
+    }
+    Ok(runnable
+        .into_iter()
+        .map(|(name, _, _, rss, mut times)| {
+            times.sort_by(f64::total_cmp);
+            let t = times[times.len() / 2];
+            Row {
+                case: c.name,
+                imp: name,
+                dtype: dt,
+                ms: t * 1e3,
+                gflops: flops / t / 1e9,
+                gbps: bytes / t / 1e9,
+                peak_rss_mb: rss,
+            }
+        })
+        .collect())
+}
+
+fn main() -> Result<()> {
+    let mut json = false;
+    let mut only_case: Option<String> = None;
+    let mut only_dtype: Option<DType> = None;
+    let mut rounds = 5usize;
+    let mut min_secs = 1.0f64;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--json" => json = true,
+            "--case" => only_case = args.next(),
+            "--dtype" => {
+                only_dtype = Some(match args.next().as_deref() {
+                    Some("f32") => DType::F32,
+                    Some("bf16") => DType::BF16,
+                    Some("f16") => DType::F16,
+                    other => bail!("--dtype takes f32, bf16 or f16, got {other:?}"),
+                })
+            }
+            "--rounds" => rounds = args.next().unwrap_or_default().parse()?,
+            "--min-secs" => min_secs = args.next().unwrap_or_default().parse()?,
+            _ => bail!("unknown argument {a}"),
+        }
+    }
+    if let Some(name) = &only_case {
+        if !CASES.iter().any(|c| c.name == name) {
+            bail!(
+                "unknown case {name}; cases: {}",
+                CASES.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")
+            );
+        }
+    }
+    if !json {
+        println!(
+            "{:<18} {:<15} {:<5} {:>10} {:>8} {:>8} {:>11}",
+            "case", "impl", "dtype", "ms", "GFLOP/s", "GB/s", "peak_rss_mb"
+        );
+    }
+    for c in CASES
+        .iter()
+        .filter(|c| only_case.as_deref().is_none_or(|n| n == c.name))
+    {
+        for &dt in c.dtypes.iter().filter(|d| only_dtype.is_none_or(|o| o == **d)) {
+            for r in bench_case(c, dt, rounds, min_secs)? {
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({"case": r.case, "impl": r.imp, "dtype": dtype_name(r.dtype), "ms": r.ms,
+                            "gflops": r.gflops, "gbps": r.gbps, "peak_rss_mb": r.peak_rss_mb})
+                    );
+                } else {
+                    println!(
+                        "{:<18} {:<15} {:<5} {:>10.3} {:>8.1} {:>8.2} {:>11.1}",
+                        r.case,
+                        r.imp,
+                        dtype_name(r.dtype),
+                        r.ms,
+                        r.gflops,
+                        r.gbps,
+                        r.peak_rss_mb
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}

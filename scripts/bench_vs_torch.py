@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Times PyTorch's CPU attention on the cases of `examples/bench.rs`, alternating with
+the Rust benchmark, and prints torch_ms / ours_ms per case (> 1 means we are faster).
+
+Setup (a venv outside the repo):
+    python3 -m venv /tmp/venv && /tmp/venv/bin/pip install torch safetensors numpy
+    cargo build --release --example bench
+    /tmp/venv/bin/python scripts/bench_vs_torch.py [--case NAME] [--dtype f32|bf16|f16] [--rounds 5] [--min-secs 1]
+
+Timing rule (the same as the Rust side): after a warm-up, `rounds` timings, each running
+whole calls for at least `min-secs`; the figure is the median time per call. PyTorch runs
+`F.scaled_dot_product_attention` (`nn.MultiheadAttention` for `mha_layer`) with as many
+threads as the machine has cores, under `torch.inference_mode()`. Torch and the Rust binary
+alternate: torch, rust, torch, rust, and each side's figure is the median over both turns.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release", "examples", "bench")
+
+ALL = ["f32", "bf16", "f16"]
+CASES = {
+    # name: (B, Hq, Hkv, L, S, D, causal, pad, dtypes)
+    "enc512": (1, 16, 16, 512, 512, 64, False, False, ALL),
+    "enc1k_d128": (1, 16, 16, 1024, 1024, 128, False, False, ALL),
+    "gpt1k_causal": (1, 32, 32, 1024, 1024, 64, True, False, ALL),
+    "gpt2k_causal_d128": (1, 32, 32, 2048, 2048, 128, True, False, ALL),
+    "bert_pad": (8, 12, 12, 128, 128, 64, False, True, ALL),
+    "long8k_causal": (1, 8, 8, 8192, 8192, 64, True, False, ["f32"]),
+    "decode_gqa": (1, 32, 8, 1, 4096, 128, False, False, ALL),
+    "decode_b4": (4, 32, 32, 1, 2048, 128, False, False, ALL),
+    "mha_layer": (8, 12, 12, 128, 128, 64, False, False, ["f32"]),
+}
+DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def time_median(fn, rounds, min_secs):
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-9)
+    iters = max(1, math.ceil(min_secs / once))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def torch_case(name, dtype, rounds, min_secs):
+    b, hq, hkv, l, s, d, causal, pad, _ = CASES[name]
+    dt = DT[dtype]
+    with torch.inference_mode():
+        if name == "mha_layer":
+            e = hq * d
+            mha = torch.nn.MultiheadAttention(e, hq, batch_first=True).eval().to(dt)
+            x = torch.randn(b, l, e, dtype=dt)
+            return time_median(lambda: mha(x, x, x, need_weights=False), rounds, min_secs)
+        q = torch.randn(b, hq, l, d, dtype=dt)
+        k = torch.randn(b, hkv, s, d, dtype=dt)
+        v = torch.randn(b, hkv, s, d, dtype=dt)
+        mask = None
+        if pad:
+            mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
+            mask[1::2, ..., s - s // 4:] = False
+        gqa = hq != hkv
+        return time_median(
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa),
+            rounds,
+            min_secs,
+        )
+
+
+def rust_case(name, dtype, rounds, min_secs):
+    out = subprocess.run(
+        [BIN, "--json", "--case", name, "--dtype", dtype, "--rounds", str(rounds), "--min-secs", str(min_secs)],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return {r["impl"]: r for r in map(json.loads, out.splitlines())}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case")
+    ap.add_argument("--dtype")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--min-secs", type=float, default=1.0)
+    args = ap.parse_args()
+    if not os.path.exists(BIN):
+        sys.exit(f"build the Rust benchmark first: cargo build --release --example bench ({BIN} is missing)")
+    torch.set_num_threads(os.cpu_count())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'case':<18} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10} {'unfused/ours':>12} {'flash/ours':>10}")
+    for name, spec in CASES.items():
+        if args.case and args.case != name:
+            continue
+        for dtype in spec[8]:
+            if args.dtype and args.dtype != dtype:
+                continue
+            torch_t, ours = [], {}
+            for _ in range(2):  # alternate: torch, rust, torch, rust
+                torch_t.append(torch_case(name, dtype, args.rounds, args.min_secs) * 1e3)
+                for imp, row in rust_case(name, dtype, args.rounds, args.min_secs).items():
+                    ours.setdefault(imp, []).append(row["ms"])
+            t = statistics.median(torch_t)
+            o = statistics.median(ours["ours"])
+            ratio = lambda imp: f"{statistics.median(ours[imp]) / o:.2f}" if imp in ours else "-"
+            print(f"{name:<18} {dtype:<5} {t:>10.3f} {o:>10.3f} {t / o:>10.2f} {ratio('candle_unfused'):>12} {ratio('candle_flash'):>10}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
