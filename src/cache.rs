@@ -114,6 +114,14 @@ impl KvCache {
         }
     }
 
+    /// Tokens the buffer can hold before it must grow (the window for a rotating cache).
+    pub fn capacity(&self) -> usize {
+        match self.mode {
+            Mode::Rotating(w) => w,
+            _ => self.k.as_ref().and_then(|t| t.dim(SEQ).ok()).unwrap_or(0),
+        }
+    }
+
     /// True when nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -492,3 +492,95 @@ fn both_rope_spellings_give_the_same_layer() -> Result<()> {
     assert!(matches!(a.rope.unwrap().scaling, RopeScaling::Llama3 { .. }));
     Ok(())
 }
+
+#[test]
+fn growable_cache_doubles_its_buffer() -> Result<()> {
+    let mut cache = KvCache::new();
+    let kv = randn(&[1, 2, 1, 4])?;
+    let mut caps = Vec::new();
+    for _ in 0..100 {
+        cache.append(&kv, &kv)?;
+        if caps.last() != Some(&cache.capacity()) {
+            caps.push(cache.capacity());
+        }
+    }
+    // Four reallocations for 100 tokens: each copies the tokens held so far once.
+    assert_eq!(caps, vec![16, 32, 64, 128]);
+    let all = cache.current()?.unwrap();
+    assert_eq!(all.k.dims(), &[1, 2, 100, 4]);
+    assert_eq!(max_diff(&all.k.narrow(2, 57, 1)?, &kv)?, 0.0);
+    // A clone is independent of the original.
+    let mut other = cache.clone();
+    other.truncate(10)?;
+    other.append(&(&kv + 1.0)?, &kv)?;
+    assert_eq!(
+        max_diff(&cache.current()?.unwrap().k.narrow(2, 10, 1)?, &kv)?,
+        0.0
+    );
+    Ok(())
+}
+
+#[test]
+fn packed_and_head_interleaved_layouts_equal_separate_projections() -> Result<()> {
+    let mut cfg = llama_like(None);
+    cfg.num_kv_heads = 4;
+    cfg.qk_norm = None;
+    cfg.sinks = false;
+    let sep = weights(&cfg)?;
+    let get = |k: &str| sep.get_unchecked_dtype(k, DType::F32);
+    let (wq, wk, wv) = (
+        get("q_proj.weight")?,
+        get("k_proj.weight")?,
+        get("v_proj.weight")?,
+    );
+    let (bq, bk, bv) = (get("q_proj.bias")?, get("k_proj.bias")?, get("v_proj.bias")?);
+    let (wo, bo) = (get("o_proj.weight")?, get("o_proj.bias")?);
+    let x = randn(&[2, 5, 24])?;
+    let want = DecoderAttention::new(&cfg, sep.clone())?.forward(&x)?;
+    // Phi-3: [q | k | v].
+    let mut m = HashMap::new();
+    m.insert("qkv_proj.weight".to_string(), Tensor::cat(&[&wq, &wk, &wv], 0)?);
+    m.insert("qkv_proj.bias".to_string(), Tensor::cat(&[&bq, &bk, &bv], 0)?);
+    m.insert("o_proj.weight".to_string(), wo.clone());
+    m.insert("o_proj.bias".to_string(), bo.clone());
+    let packed = DecoderAttentionConfig {
+        layout: QkvLayout::Packed {
+            qkv: "qkv_proj".into(),
+            o: "o_proj".into(),
+            qkv_bias: true,
+            o_bias: true,
+        },
+        ..cfg.clone()
+    };
+    let got =
+        DecoderAttention::new(&packed, VarBuilder::from_tensors(m, DType::F32, &Device::Cpu))?.forward(&x)?;
+    assert!(max_diff(&got, &want)? < 1e-5);
+    // GPT-NeoX / BLOOM: per head [q | k | v].
+    let per_head = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+        let (h, d) = (4, 8);
+        let split = |t: &Tensor| -> Result<Tensor> {
+            let rest: Vec<usize> = t.dims()[1..].to_vec();
+            t.reshape([vec![h, 1, d], rest].concat())
+        };
+        let cat = Tensor::cat(&[split(q)?, split(k)?, split(v)?], 1)?;
+        let rest: Vec<usize> = q.dims()[1..].to_vec();
+        cat.reshape([vec![3 * h * d], rest].concat())
+    };
+    let mut m = HashMap::new();
+    m.insert("query_key_value.weight".to_string(), per_head(&wq, &wk, &wv)?);
+    m.insert("query_key_value.bias".to_string(), per_head(&bq, &bk, &bv)?);
+    m.insert("dense.weight".to_string(), wo);
+    m.insert("dense.bias".to_string(), bo);
+    let inter = DecoderAttentionConfig {
+        layout: QkvLayout::HeadInterleaved {
+            qkv: "query_key_value".into(),
+            o: "dense".into(),
+            bias: true,
+        },
+        ..cfg
+    };
+    let got =
+        DecoderAttention::new(&inter, VarBuilder::from_tensors(m, DType::F32, &Device::Cpu))?.forward(&x)?;
+    assert!(max_diff(&got, &want)? < 1e-5);
+    Ok(())
+}
