@@ -274,29 +274,40 @@ impl AttnMask {
         Ok(acc)
     }
 
-    /// The whole mask, causal parts included, as one additive mask of `dtype`
-    /// broadcastable to `scores = (…, L, S)`. `None` when the mask is empty.
-    pub fn to_additive(&self, scores: &[usize], dtype: DType, device: &Device) -> Result<Option<Tensor>> {
-        let explicit = self.explicit_additive(scores, dtype)?;
+    /// The causal parts alone as an additive `(1, …, 1, L, S)` mask of `dtype`, for
+    /// `scores = (…, L, S)`. `None` when no part is causal.
+    pub fn causal_additive(&self, scores: &[usize], dtype: DType, device: &Device) -> Result<Option<Tensor>> {
         let n = scores.len();
         if n < 2 {
             candle::bail!("attention scores need rank >= 2, got shape {scores:?}")
         }
         let (l, s) = (scores[n - 2], scores[n - 1]);
-        let causal = match self.causal_rule(l, s) {
-            None => None,
+        match self.causal_rule(l, s) {
+            None => Ok(None),
             Some(rule) => {
                 let mut shape = vec![1usize; n - 2];
                 shape.extend([l, s]);
-                Some(causal_additive(rule, l, s, dtype, device)?.reshape(shape)?)
+                Ok(Some(causal_additive(rule, l, s, dtype, device)?.reshape(shape)?))
             }
-        };
-        Ok(match (explicit, causal) {
-            (None, c) => c,
-            (e, None) => e,
-            (Some(e), Some(c)) => Some(e.broadcast_add(&c)?),
-        })
+        }
     }
+
+    /// The whole mask, causal parts included, as one additive mask of `dtype`
+    /// broadcastable to `scores = (…, L, S)`. `None` when the mask is empty.
+    pub fn to_additive(&self, scores: &[usize], dtype: DType, device: &Device) -> Result<Option<Tensor>> {
+        let explicit = self.explicit_additive(scores, dtype)?;
+        let causal = self.causal_additive(scores, dtype, device)?;
+        add_masks(explicit, causal)
+    }
+}
+
+/// The sum of two optional additive masks.
+pub(crate) fn add_masks(a: Option<Tensor>, b: Option<Tensor>) -> Result<Option<Tensor>> {
+    Ok(match (a, b) {
+        (None, c) => c,
+        (e, None) => e,
+        (Some(e), Some(c)) => Some(e.broadcast_add(&c)?),
+    })
 }
 
 /// Reshape `t` to `scores.len()` dims by adding leading 1s, after checking that

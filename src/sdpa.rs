@@ -15,9 +15,9 @@
 //!   return the input dtype;
 //! - `is_causal` is aligned top-left, like PyTorch; [`AttnMask::causal_bottom_right`]
 //!   gives the alignment a KV cache needs.
-use candle::{DType, Device, Result, Tensor, D};
+use candle::{DType, Result, Tensor, D};
 
-use crate::mask::AttnMask;
+use crate::mask::{add_masks, AttnMask};
 
 /// Which implementation computes the attention.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -293,7 +293,11 @@ pub fn scaled_dot_product_attention(
         }
     }
     match select_backend(q, &dims, opts)? {
-        Path::Reference => reference(q, k, v, &mask, &dims, scale, opts),
+        Path::Reference => {
+            let causal = mask.causal_additive(&score_shape, compute_dtype(q.dtype()), q.device())?;
+            let full = add_masks(explicit, causal)?;
+            reference(q, k, v, full.as_ref(), &dims, scale, opts)
+        }
         Path::Fused => crate::kernels::dispatch_fused(q, k, v, explicit.as_ref(), &mask, &dims, scale),
     }
 }
@@ -360,7 +364,7 @@ fn reference(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    mask: &AttnMask,
+    mask: Option<&Tensor>,
     dims: &Dims,
     scale: f64,
     opts: &SdpaOptions,
@@ -368,7 +372,6 @@ fn reference(
     let (n, hq, hkv, l, s, e, ev) = (dims.n, dims.hq, dims.hkv, dims.l, dims.s, dims.e, dims.ev);
     let dt = q.dtype();
     let cd = compute_dtype(dt);
-    let dev: &Device = q.device();
     let g = hq / hkv.max(1);
     // Query heads of one GQA group are adjacent: (N, Hkv, g·L, E) shares each K/V head.
     let q = q.to_dtype(cd)?.reshape((n, hkv, g * l, e))?;
@@ -379,7 +382,7 @@ fn reference(
         scores = ((scores / cap)?.tanh()? * cap)?;
     }
     let score_shape = dims.score_shape();
-    let scores = match mask.to_additive(&score_shape, cd, dev)? {
+    let scores = match mask {
         None => scores,
         Some(m) => {
             let m = m.broadcast_as(score_shape.as_slice())?.reshape((n, hq, l, s))?;
