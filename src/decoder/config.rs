@@ -271,6 +271,13 @@ impl DecoderAttentionConfig {
             cross_attention,
             max_position_embeddings: max_pos,
         };
+        // Gemma scales by query_pre_attn_scalar^-1/2 instead of head_dim^-1/2.
+        let gemma_scale = || -> Result<f64> {
+            let s = cfg
+                .query_pre_attn_scalar
+                .ok_or_else(|| missing(arch, "query_pre_attn_scalar"))?;
+            Ok(1.0 / s.sqrt())
+        };
         let rope = |style: RopeStyle| Self::rope_from_hf(arch, cfg, head_dim, layer_type, style).map(Some);
         match arch {
             "llama" | "mistral" | "gpt_oss" | "phi3" => {
@@ -301,11 +308,7 @@ impl DecoderAttentionConfig {
                 });
                 out.rope = rope(RopeStyle::HalfSplit)?;
                 if arch == "gemma3_text" {
-                    out.scale = 1.0
-                        / cfg
-                            .query_pre_attn_scalar
-                            .ok_or_else(|| missing(arch, "query_pre_attn_scalar"))?
-                            .sqrt();
+                    out.scale = gemma_scale()?;
                     out.softcap = cfg.attn_logit_softcapping;
                 }
             }
@@ -313,11 +316,7 @@ impl DecoderAttentionConfig {
                 let b = bias.unwrap_or(false);
                 out.layout = QkvLayout::separate(b, b, b, b);
                 out.rope = rope(RopeStyle::HalfSplit)?;
-                out.scale = 1.0
-                    / cfg
-                        .query_pre_attn_scalar
-                        .ok_or_else(|| missing(arch, "query_pre_attn_scalar"))?
-                        .sqrt();
+                out.scale = gemma_scale()?;
                 out.softcap = cfg.attn_logit_softcapping;
             }
             "gpt2" => {
