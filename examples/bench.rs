@@ -33,6 +33,8 @@ struct Case {
     causal: bool,
     pad: bool,
     dtypes: &'static [DType],
+    /// Also time candle's paths (off where they would need gigabytes or minutes).
+    candle: bool,
 }
 
 const ALL: &[DType] = &[DType::F32, DType::BF16, DType::F16];
@@ -40,15 +42,16 @@ const F32: &[DType] = &[DType::F32];
 
 #[rustfmt::skip]
 const CASES: &[Case] = &[
-    Case { name: "enc512", b: 1, hq: 16, hkv: 16, l: 512, s: 512, d: 64, causal: false, pad: false, dtypes: ALL },
-    Case { name: "enc1k_d128", b: 1, hq: 16, hkv: 16, l: 1024, s: 1024, d: 128, causal: false, pad: false, dtypes: ALL },
-    Case { name: "gpt1k_causal", b: 1, hq: 32, hkv: 32, l: 1024, s: 1024, d: 64, causal: true, pad: false, dtypes: ALL },
-    Case { name: "gpt2k_causal_d128", b: 1, hq: 32, hkv: 32, l: 2048, s: 2048, d: 128, causal: true, pad: false, dtypes: ALL },
-    Case { name: "bert_pad", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: true, dtypes: ALL },
-    Case { name: "long8k_causal", b: 1, hq: 8, hkv: 8, l: 8192, s: 8192, d: 64, causal: true, pad: false, dtypes: F32 },
-    Case { name: "decode_gqa", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL },
-    Case { name: "decode_b4", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL },
-    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: false, dtypes: F32 },
+    Case { name: "enc512", b: 1, hq: 16, hkv: 16, l: 512, s: 512, d: 64, causal: false, pad: false, dtypes: ALL, candle: true },
+    Case { name: "enc1k_d128", b: 1, hq: 16, hkv: 16, l: 1024, s: 1024, d: 128, causal: false, pad: false, dtypes: ALL, candle: true },
+    Case { name: "gpt1k_causal", b: 1, hq: 32, hkv: 32, l: 1024, s: 1024, d: 64, causal: true, pad: false, dtypes: ALL, candle: true },
+    Case { name: "gpt2k_causal_d128", b: 1, hq: 32, hkv: 32, l: 2048, s: 2048, d: 128, causal: true, pad: false, dtypes: ALL, candle: true },
+    Case { name: "bert_pad", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: true, dtypes: ALL, candle: true },
+    Case { name: "long8k_causal", b: 1, hq: 8, hkv: 8, l: 8192, s: 8192, d: 64, causal: true, pad: false, dtypes: F32, candle: true },
+    Case { name: "long32k_causal", b: 1, hq: 8, hkv: 8, l: 32768, s: 32768, d: 64, causal: true, pad: false, dtypes: F32, candle: false },
+    Case { name: "decode_gqa", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true },
+    Case { name: "decode_b4", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true },
+    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: false, dtypes: F32, candle: true },
 ];
 
 fn dtype_name(dt: DType) -> &'static str {
@@ -210,7 +213,7 @@ fn bench_case(c: &Case, dt: DType, rounds: usize, min_secs: f64) -> Result<Vec<R
                 &Tensor::zeros(m.shape(), dt, &dev)?,
                 &Tensor::full(f32::NEG_INFINITY, m.shape(), &dev)?.to_dtype(dt)?,
             )?),
-            (None, true) => {
+            (None, true) if c.candle => {
                 let mut data = vec![0f32; c.l * c.s];
                 for i in 0..c.l {
                     for j in i + 1..c.s {
@@ -223,8 +226,8 @@ fn bench_case(c: &Case, dt: DType, rounds: usize, min_secs: f64) -> Result<Vec<R
         };
         let (qr, kr, vr) = (q.clone(), k.clone(), v.clone());
         impls.push(("ours", Box::new(move || Ok(sdpa(&qr, &kr, &vr, &opts)?))));
-        let skip_unfused = c.name == "long8k_causal"; // 8192² scores per head: ~2 GB of f32
-        if !skip_unfused {
+        // long8k: 8192² f32 scores per head are 2 GB; long32k: 32 GB.
+        if c.candle && c.name != "long8k_causal" {
             let (qr, kr, vr, am) = (q.clone(), k.clone(), v.clone(), add_mask.clone());
             impls.push((
                 "candle_unfused",
@@ -243,10 +246,12 @@ fn bench_case(c: &Case, dt: DType, rounds: usize, min_secs: f64) -> Result<Vec<R
         } else {
             candle_nn::attention::AttnMask::None
         };
-        impls.push((
-            "candle_flash",
-            Box::new(move || Ok(flash(&qf, &kf, &vf, scale as f32, cmask.clone())?)),
-        ));
+        if c.candle {
+            impls.push((
+                "candle_flash",
+                Box::new(move || Ok(flash(&qf, &kf, &vf, scale as f32, cmask.clone())?)),
+            ));
+        }
         flops = 4.0 * (c.b * c.hq * c.d) as f64 * pairs(c);
         let el = (c.b * c.hq * c.l * c.d * 2 + c.b * c.hkv * c.s * c.d * 2) as f64;
         bytes = el * dt.size_in_bytes() as f64;

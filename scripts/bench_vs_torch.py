@@ -37,6 +37,7 @@ CASES = {
     "gpt2k_causal_d128": (1, 32, 32, 2048, 2048, 128, True, False, ALL),
     "bert_pad": (8, 12, 12, 128, 128, 64, False, True, ALL),
     "long8k_causal": (1, 8, 8, 8192, 8192, 64, True, False, ["f32"]),
+    "long32k_causal": (1, 8, 8, 32768, 32768, 64, True, False, ["f32"]),
     "decode_gqa": (1, 32, 8, 1, 4096, 128, False, False, ALL),
     "decode_b4": (4, 32, 32, 1, 2048, 128, False, False, ALL),
     "mha_layer": (8, 12, 12, 128, 128, 64, False, False, ["f32"]),
