@@ -139,7 +139,7 @@ impl Dims {
         s.extend([self.l, self.s]);
         s
     }
-    fn out_shape(&self, last: usize) -> Vec<usize> {
+    pub(crate) fn out_shape(&self, last: usize) -> Vec<usize> {
         let mut s = self.lead.clone();
         if !self.headless {
             s.push(self.hq);
