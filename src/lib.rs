@@ -17,7 +17,7 @@ pub mod alibi;
 pub mod cache;
 pub mod decoder;
 pub mod fixture;
-pub(crate) mod kernels;
+pub mod kernels;
 pub mod mask;
 pub mod mha;
 pub mod notes;
@@ -31,4 +31,10 @@ pub use mha::{MhaArgs, MultiheadAttention, MultiheadAttentionConfig};
 pub use notes::{AttentionConfig, CausalAttention, MultiHeadAttention, ProjNames, ScaledDotProductAttention};
 pub use proj::Proj;
 pub use rope::{RopeConfig, RopeScaling, RopeStyle, RotaryEmbedding};
+/// The instruction set of the fused CPU kernel on this machine: `avx2+fma`, `neon` or
+/// `portable` (`CANDLE_ATTENTION_ISA=portable` forces the portable kernel).
+pub fn cpu_kernel_isa() -> &'static str {
+    kernels::cpu::isa()
+}
+
 pub use sdpa::{scaled_dot_product_attention, sdpa, Backend, SdpaOptions, SdpaOutput};

@@ -1,23 +1,68 @@
 //! Backend-specific fused kernels behind the SDPA dispatcher.
+//!
+//! Only the CPU has one so far ([`cpu`]). Every other device, f64, attention weights,
+//! softcap and sinks go through the reference path in candle ops.
 use candle::{DType, Device, Result, Tensor};
 
 use crate::mask::AttnMask;
-use crate::sdpa::Dims;
+use crate::sdpa::{Dims, SdpaOutput};
 
-/// Whether a fused kernel handles this device and dtype.
-pub(crate) fn fused_supports(_device: &Device, _dtype: DType, _dims: &Dims) -> bool {
-    false
+pub mod cpu;
+
+/// Whether the fused kernel handles this device and dtype.
+pub(crate) fn fused_supports(device: &Device, dtype: DType, _dims: &Dims) -> bool {
+    device.is_cpu() && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
 }
 
-/// Runs the fused kernel; only called when [`fused_supports`] said yes.
+/// Runs the fused CPU kernel on `(…, Hq, L, E)` inputs; `explicit` is the explicit part of
+/// the mask as an additive f32 tensor aligned to the score rank, `mask` supplies the causal
+/// rule, applied by loop bounds.
 pub(crate) fn dispatch_fused(
-    _q: &Tensor,
-    _k: &Tensor,
-    _v: &Tensor,
-    _explicit: Option<&Tensor>,
-    _mask: &AttnMask,
-    _dims: &Dims,
-    _scale: f64,
-) -> Result<crate::sdpa::SdpaOutput> {
-    candle::bail!("no fused kernel is compiled in")
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    explicit: Option<&Tensor>,
+    mask: &AttnMask,
+    dims: &Dims,
+    scale: f64,
+) -> Result<SdpaOutput> {
+    let (n, hq, hkv, l, s, e, ev) = (dims.n, dims.hq, dims.hkv, dims.l, dims.s, dims.e, dims.ev);
+    // Views with the batch dims collapsed; the kernel reads any strides.
+    let q4 = q.reshape((n, hq, l, e))?;
+    let k4 = k.reshape((n, hkv, s, e))?;
+    let v4 = v.reshape((n, hkv, s, ev))?;
+    let m4 = match explicit {
+        None => None,
+        Some(m) => Some(mask_4d(&m.to_dtype(DType::F32)?, dims)?),
+    };
+    let causal = mask.causal_rule(l, s).map(|r| cpu::Causal {
+        offset: r.offset,
+        window: r.window,
+    });
+    let out = cpu::sdpa(&q4, &k4, &v4, m4.as_ref(), causal, scale as f32)?;
+    Ok(SdpaOutput {
+        output: out.reshape(dims.out_shape(ev))?,
+        weights: None,
+    })
+}
+
+/// An explicit mask aligned to `(…, Hq, L, S)` as `(N, Hq, L, S)` with size-1 dims kept
+/// (broadcast), collapsing the leading batch dims without copying when they are all 1 or
+/// all full.
+fn mask_4d(m: &Tensor, dims: &Dims) -> Result<Tensor> {
+    let md = m.dims();
+    let r = md.len();
+    let (ml, ms) = (md[r - 2], md[r - 1]);
+    let mh = if dims.headless { 1 } else { md[r - 3] };
+    let lead = &md[..dims.lead.len()];
+    if lead.iter().all(|&d| d == 1) {
+        m.reshape((1, mh, ml, ms))
+    } else if lead == dims.lead.as_slice() {
+        m.reshape((dims.n, mh, ml, ms))
+    } else {
+        // Mixed leading dims: materialise the batch broadcast, keep the rest.
+        let mut full = dims.lead.clone();
+        full.extend_from_slice(&md[dims.lead.len()..]);
+        m.broadcast_as(full)?.contiguous()?.reshape((dims.n, mh, ml, ms))
+    }
 }

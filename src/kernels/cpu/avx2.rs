@@ -1,0 +1,340 @@
+//! AVX2 + FMA micro-kernels: 6×16 register tiles (12 accumulators, 2 panel loads,
+//! 1 broadcast = 15 of the 16 ymm registers).
+//!
+//! Every function here is `unsafe` and requires a CPU with AVX2 and FMA; the
+//! dispatcher only selects `Isa::Avx2Fma` after runtime detection.
+
+use super::exp::avx2::exp2_256;
+use super::pack::{BK, NR};
+use std::arch::x86_64::*;
+
+/// Rows per register tile.
+pub(super) const MR: usize = super::pack::MR;
+
+/// See [`super::portable::qk`] (Q in strip-packed layout); `rows` must be a multiple of [`MR`].
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+pub(super) unsafe fn qk(
+    q: &[f32],
+    rows: usize,
+    e: usize,
+    kp: &[f32],
+    npanels: usize,
+    s: &mut [f32],
+    lds: usize,
+) {
+    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR);
+    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe { qk_impl(q.as_ptr(), rows, e, kp.as_ptr(), npanels, s.as_mut_ptr(), lds) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn qk_impl(
+    q: *const f32,
+    rows: usize,
+    e: usize,
+    kp: *const f32,
+    npanels: usize,
+    s: *mut f32,
+    lds: usize,
+) {
+    // Panel-outer: the K panel (16 keys × E) stays in L1 while Q strips stream.
+    for p in 0..npanels {
+        let kpp = kp.add(p * e * NR);
+        for strip in 0..rows / MR {
+            let qs = q.add(strip * MR * e);
+            let mut acc = [_mm256_setzero_ps(); 2 * MR];
+            // A macro (not a closure: closures do not inherit `target_feature`).
+            macro_rules! step {
+                ($acc:expr, $x:expr) => {{
+                    let x = $x;
+                    let k0 = _mm256_loadu_ps(kpp.add(x * NR));
+                    let k1 = _mm256_loadu_ps(kpp.add(x * NR + 8));
+                    for r in 0..MR {
+                        let a = _mm256_broadcast_ss(&*qs.add(x * MR + r));
+                        $acc[2 * r] = _mm256_fmadd_ps(a, k0, $acc[2 * r]);
+                        $acc[2 * r + 1] = _mm256_fmadd_ps(a, k1, $acc[2 * r + 1]);
+                    }
+                }};
+            }
+            let mut x = 0;
+            while x + 2 <= e {
+                step!(acc, x);
+                step!(acc, x + 1);
+                x += 2;
+            }
+            if x < e {
+                step!(acc, x);
+            }
+            let sp = s.add(strip * MR * lds + p * NR);
+            for r in 0..MR {
+                _mm256_storeu_ps(sp.add(r * lds), acc[2 * r]);
+                _mm256_storeu_ps(sp.add(r * lds + 8), acc[2 * r + 1]);
+            }
+        }
+    }
+}
+
+/// See [`super::portable::pv`] (P row-major with row stride [`BK`]); `rows` must be a multiple of [`MR`].
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pv(
+    p: &[f32],
+    rows: usize,
+    nk: usize,
+    vp: &[f32],
+    vps: usize,
+    ldv: usize,
+    nvp: usize,
+    o: &mut [f32],
+    ldo: usize,
+    alpha: &[f32],
+) {
+    assert!(rows.is_multiple_of(MR) && BK >= nk && ldo >= nvp * NR && alpha.len() >= rows);
+    assert!(p.len() >= rows * BK);
+    assert!(nvp == 0 || nk == 0 || vp.len() >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
+    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        pv_impl(
+            p.as_ptr(),
+            rows,
+            nk,
+            vp.as_ptr(),
+            vps,
+            ldv,
+            nvp,
+            o.as_mut_ptr(),
+            ldo,
+            alpha.as_ptr(),
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pv_impl(
+    p: *const f32,
+    rows: usize,
+    nk: usize,
+    vp: *const f32,
+    vps: usize,
+    ldv: usize,
+    nvp: usize,
+    o: *mut f32,
+    ldo: usize,
+    alpha: *const f32,
+) {
+    // Panel-outer: the V panel (BK keys × 16) stays in L1 while P strips stream.
+    for n in 0..nvp {
+        let vpp = vp.add(n * vps);
+        for strip in 0..rows / MR {
+            let ps = p.add(strip * MR * BK);
+            let op = o.add(strip * MR * ldo + n * NR);
+            let mut acc = [_mm256_setzero_ps(); 2 * MR];
+            for r in 0..MR {
+                let a = _mm256_broadcast_ss(&*alpha.add(strip * MR + r));
+                acc[2 * r] = _mm256_mul_ps(a, _mm256_loadu_ps(op.add(r * ldo)));
+                acc[2 * r + 1] = _mm256_mul_ps(a, _mm256_loadu_ps(op.add(r * ldo + 8)));
+            }
+            // A macro (not a closure: closures do not inherit `target_feature`).
+            macro_rules! step {
+                ($acc:expr, $j:expr) => {{
+                    let j = $j;
+                    let v0 = _mm256_loadu_ps(vpp.add(j * ldv));
+                    let v1 = _mm256_loadu_ps(vpp.add(j * ldv + 8));
+                    for r in 0..MR {
+                        let a = _mm256_broadcast_ss(&*ps.add(r * BK + j));
+                        $acc[2 * r] = _mm256_fmadd_ps(a, v0, $acc[2 * r]);
+                        $acc[2 * r + 1] = _mm256_fmadd_ps(a, v1, $acc[2 * r + 1]);
+                    }
+                }};
+            }
+            let mut j = 0;
+            while j + 2 <= nk {
+                step!(acc, j);
+                step!(acc, j + 1);
+                j += 2;
+            }
+            if j < nk {
+                step!(acc, j);
+            }
+            for r in 0..MR {
+                _mm256_storeu_ps(op.add(r * ldo), acc[2 * r]);
+                _mm256_storeu_ps(op.add(r * ldo + 8), acc[2 * r + 1]);
+            }
+        }
+    }
+}
+
+/// Row maximum (-inf for empty / all -inf rows).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_max_impl(x: &[f32]) -> f32 {
+    let n = x.len();
+    let ptr = x.as_ptr();
+    let mut m0 = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut m1 = m0;
+    let mut j = 0;
+    while j + 16 <= n {
+        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(ptr.add(j)));
+        m1 = _mm256_max_ps(m1, _mm256_loadu_ps(ptr.add(j + 8)));
+        j += 16;
+    }
+    if j + 8 <= n {
+        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(ptr.add(j)));
+        j += 8;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_max_ps(m0, m1));
+    let mut r = f32::NEG_INFINITY;
+    for &v in lanes.iter().chain(&x[j..]) {
+        if v > r {
+            r = v;
+        }
+    }
+    r
+}
+
+/// `x[j] = 2^(x[j] - m)`; returns the sum.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp2_sub_sum_impl(x: &mut [f32], m: f32) -> f32 {
+    let n = x.len();
+    let ptr = x.as_mut_ptr();
+    let mv = _mm256_set1_ps(m);
+    let mut s0 = _mm256_setzero_ps();
+    let mut s1 = _mm256_setzero_ps();
+    let mut j = 0;
+    while j + 16 <= n {
+        let a = exp2_256(_mm256_sub_ps(_mm256_loadu_ps(ptr.add(j)), mv));
+        let b = exp2_256(_mm256_sub_ps(_mm256_loadu_ps(ptr.add(j + 8)), mv));
+        _mm256_storeu_ps(ptr.add(j), a);
+        _mm256_storeu_ps(ptr.add(j + 8), b);
+        s0 = _mm256_add_ps(s0, a);
+        s1 = _mm256_add_ps(s1, b);
+        j += 16;
+    }
+    while j < n {
+        let mut tail = [f32::NEG_INFINITY; 8];
+        let t = (n - j).min(8);
+        tail[..t].copy_from_slice(&x[j..j + t]);
+        let a = exp2_256(_mm256_sub_ps(_mm256_loadu_ps(tail.as_ptr()), mv));
+        _mm256_storeu_ps(tail.as_mut_ptr(), a);
+        x[j..j + t].copy_from_slice(&tail[..t]);
+        s0 = _mm256_add_ps(s0, a);
+        j += t;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(s0, s1));
+    lanes.iter().sum()
+}
+
+/// Horizontal sums of four vectors: `[Σa, Σb, Σc, Σd]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
+}
+
+/// See [`super::portable::qk_dot`]: scores against row-major keys (decode path).
+/// `rows` must be a multiple of [`MR`] and `e` a multiple of 8.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn qk_dot(
+    q: &[f32],
+    rows: usize,
+    e: usize,
+    k: &[f32],
+    ldk: usize,
+    nk: usize,
+    s: &mut [f32],
+    lds: usize,
+) {
+    assert!(rows.is_multiple_of(MR) && e.is_multiple_of(8) && lds >= nk && q.len() >= rows * e);
+    assert!(nk == 0 || k.len() >= (nk - 1) * ldk + e);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe { qk_dot_impl(q.as_ptr(), rows, e, k.as_ptr(), ldk, nk, s.as_mut_ptr(), lds) }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn qk_dot_impl(
+    q: *const f32,
+    rows: usize,
+    e: usize,
+    k: *const f32,
+    ldk: usize,
+    nk: usize,
+    s: *mut f32,
+    lds: usize,
+) {
+    for strip in 0..rows / MR {
+        let qs = q.add(strip * MR * e);
+        let mut j = 0;
+        while j < nk {
+            // Two keys per pass (the second duplicates the first at an odd tail).
+            let j1 = if j + 1 < nk { j + 1 } else { j };
+            let k0p = k.add(j * ldk);
+            let k1p = k.add(j1 * ldk);
+            let mut acc = [_mm256_setzero_ps(); 2 * MR];
+            let mut x = 0;
+            while x < e {
+                let k0 = _mm256_loadu_ps(k0p.add(x));
+                let k1 = _mm256_loadu_ps(k1p.add(x));
+                for r in 0..MR {
+                    let a = _mm256_loadu_ps(qs.add(r * e + x));
+                    acc[2 * r] = _mm256_fmadd_ps(a, k0, acc[2 * r]);
+                    acc[2 * r + 1] = _mm256_fmadd_ps(a, k1, acc[2 * r + 1]);
+                }
+                x += 8;
+            }
+            for rr in 0..MR / 2 {
+                let v = hsum4(acc[4 * rr], acc[4 * rr + 1], acc[4 * rr + 2], acc[4 * rr + 3]);
+                let mut t = [0f32; 4];
+                _mm_storeu_ps(t.as_mut_ptr(), v);
+                let r0 = strip * MR + 2 * rr;
+                *s.add(r0 * lds + j) = t[0];
+                *s.add((r0 + 1) * lds + j) = t[2];
+                if j1 != j {
+                    *s.add(r0 * lds + j1) = t[1];
+                    *s.add((r0 + 1) * lds + j1) = t[3];
+                }
+            }
+            j += 2;
+        }
+    }
+}
+
+/// One online-softmax row update: `m_new = max(m_old, max x)`, `x[j] = 2^(x[j] - m_new)`;
+/// returns `(m_new, alpha = 2^(m_old - m_new), Σ x)`. When `m_new` is -inf, `x` is
+/// left untouched and `(−inf, 1, 0)` is returned.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+pub(super) unsafe fn online_row(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
+    // SAFETY: features guaranteed by the caller; all accesses are in bounds of `x`.
+    unsafe { online_row_impl(x, m_old) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn online_row_impl(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
+    let bm = row_max_impl(x);
+    let m_new = if bm > m_old { bm } else { m_old };
+    if m_new == f32::NEG_INFINITY {
+        return (m_new, 1.0, 0.0);
+    }
+    let alpha = if m_old == m_new {
+        1.0
+    } else {
+        _mm_cvtss_f32(_mm256_castps256_ps128(exp2_256(_mm256_set1_ps(m_old - m_new))))
+    };
+    (m_new, alpha, exp2_sub_sum_impl(x, m_new))
+}

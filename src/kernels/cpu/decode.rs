@@ -1,0 +1,49 @@
+//! Decode-path helpers: row-major K/V blocks read straight from the source tensor
+//! (f32 with unit inner stride) or converted once into a small f32 buffer, so every
+//! K/V row is streamed from memory exactly once per GQA group without a transposing
+//! pack. Used when a (batch, kv head) group has few query rows (`G·L` small).
+
+use super::pack::{Data, View, NR};
+
+/// Largest padded row count (all query heads × queries of a group) using the decode path.
+pub(crate) const DECODE_MAX_ROWS: usize = 24;
+
+/// Rows `j0 .. j0 + nk` of `(b, kvh)` as a row-major f32 matrix `(slice, row stride)`.
+/// Borrowed from the source when it is f32 with unit inner stride (and `width` is a
+/// multiple of `align`); otherwise converted into `buf` with row stride
+/// `width` rounded up to `align` (padding zeroed).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rows_f32<'r, 'd: 'r>(
+    src: &View<'d>,
+    b: usize,
+    kvh: usize,
+    j0: usize,
+    nk: usize,
+    width: usize,
+    align: usize,
+    buf: &'r mut [f32],
+) -> (&'r [f32], usize) {
+    if width == 0 {
+        return (&buf[..0], 0);
+    }
+    let start = src.row_offset(b, kvh, j0);
+    let ld = src.strides[2];
+    if let Data::F32(data) = src.data {
+        if (src.strides[3] == 1 || width <= 1) && width.is_multiple_of(align) && nk > 0 {
+            let end = start + (nk - 1) * ld + width;
+            return (&data[start..end], ld);
+        }
+    }
+    let ldb = width.div_ceil(align) * align;
+    for jl in 0..nk {
+        let row = &mut buf[jl * ldb..(jl + 1) * ldb];
+        src.read_row(start + jl * ld, &mut row[..width], 1.0);
+        row[width..].fill(0.0);
+    }
+    (&buf[..nk * ldb], ldb)
+}
+
+/// Alignment of V rows for the `O += P·V` kernel (whole panels).
+pub(crate) const V_ALIGN: usize = NR;
+/// Alignment of K rows for the dot-product score kernel.
+pub(crate) const K_ALIGN: usize = 8;

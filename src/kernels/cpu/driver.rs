@@ -1,0 +1,649 @@
+//! The tiled online-softmax driver: work decomposition, scheduling, K/V packing
+//! phases, per-block softmax bookkeeping and the split-K (decode) merge.
+
+use super::decode::{rows_f32, DECODE_MAX_ROWS, K_ALIGN, V_ALIGN};
+use super::exp::exp2_scalar;
+use super::pack::{
+    k_block_len, pack_k, pack_v, v_block_len, AlignedBuf, MaskView, OutElem, View, BK, MR, NR,
+};
+use super::{Causal, Isa};
+use rayon::prelude::*;
+use std::cell::RefCell;
+use std::f32::consts::LOG2_E;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Maximum query rows per block (a multiple of [`ROW_ALIGN`]).
+pub(crate) const BQ: usize = 144;
+/// Row padding of a block (the micro-kernels' register tile height).
+pub(crate) const ROW_ALIGN: usize = MR;
+/// Upper bound on the K/V pack kept alive at once (at least one (batch, kv head)).
+pub(crate) const PACK_BUDGET_BYTES: usize = 32 << 20;
+/// Smallest key range handed to one split-K work item.
+const MIN_SPLIT_KEYS: usize = 512;
+
+/// A validated attention problem (see [`super::sdpa`]).
+pub(crate) struct Problem<'a> {
+    pub q: View<'a>,
+    pub k: View<'a>,
+    pub v: View<'a>,
+    pub mask: Option<MaskView<'a>>,
+    pub causal: Option<Causal>,
+    pub scale: f32,
+    pub isa: Isa,
+    pub b: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub l: usize,
+    pub s: usize,
+    pub e: usize,
+    pub ev: usize,
+    /// Bytes of K/V pack kept alive at once ([`PACK_BUDGET_BYTES`]; tests shrink it).
+    pub pack_budget: usize,
+}
+
+impl Problem<'_> {
+    fn group(&self) -> usize {
+        self.hq / self.hkv
+    }
+
+    /// Visible key range `[lo, hi)` of query position `i`.
+    fn row_range(&self, i: usize) -> (usize, usize) {
+        let s = self.s;
+        match self.causal {
+            None => (0, s),
+            Some(c) => {
+                let clamp = |x: isize| x.clamp(0, s as isize) as usize;
+                let top = (i as isize).saturating_add(c.offset).saturating_add(1);
+                let hi = clamp(top);
+                let lo = match c.window {
+                    None => 0,
+                    Some(w) => clamp(top.saturating_sub(isize::try_from(w).unwrap_or(isize::MAX))),
+                };
+                (lo.min(hi), hi)
+            }
+        }
+    }
+}
+
+/// One block of query rows of a (batch, kv head) group; rows are the group's
+/// `(h_local, i)` pairs flattened head-major, so a block is a contiguous output range.
+#[derive(Clone, Copy)]
+struct Block {
+    g: usize,
+    r0: usize,
+    n: usize,
+}
+
+/// A schedulable unit: a block against the key range `[ks0, ks1)`.
+#[derive(Clone, Copy)]
+struct Item {
+    blk: usize,
+    ks0: usize,
+    ks1: usize,
+    cost: usize,
+}
+
+/// Where a work item gets its K/V blocks from.
+#[derive(Clone, Copy)]
+enum KvSrc<'a> {
+    /// The group's pre-packed K/V (`[kb][K block | V block]`).
+    Packed(&'a [f32]),
+    /// Packed on the fly, block by block.
+    Stream,
+    /// Row-major rows straight from the source (decode path).
+    Rows,
+}
+
+/// Per-thread scratch buffers, reused across work items.
+struct Scratch {
+    dims: (usize, usize),
+    q: AlignedBuf,
+    qp: AlignedBuf,
+    s: AlignedBuf,
+    o: AlignedBuf,
+    kp: AlignedBuf,
+    vp: AlignedBuf,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    alpha: Vec<f32>,
+    lo: Vec<usize>,
+    hi: Vec<usize>,
+    hh: Vec<usize>,
+    ii: Vec<usize>,
+    tmp: Vec<f32>,
+    row: Vec<f32>,
+}
+
+thread_local! {
+    /// Per-thread scratch kept between calls (a few hundred KiB), avoiding fresh
+    /// page faults on every call.
+    static SCRATCH: RefCell<Option<Scratch>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's cached scratch for `(e, ev)` (a private one if the
+/// cache is busy or sized for other dims).
+fn with_scratch<R>(e: usize, ev: usize, f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slot) => {
+            let fits = slot.as_ref().is_some_and(|s| s.dims == (e, ev));
+            if !fits {
+                *slot = Some(Scratch::new(e, ev));
+            }
+            match slot.as_mut() {
+                Some(sc) => f(sc),
+                None => f(&mut Scratch::new(e, ev)),
+            }
+        }
+        Err(_) => f(&mut Scratch::new(e, ev)),
+    })
+}
+
+impl Scratch {
+    fn new(e: usize, ev: usize) -> Self {
+        let rp = BQ.div_ceil(ROW_ALIGN) * ROW_ALIGN;
+        let evp = ev.div_ceil(NR) * NR;
+        Self {
+            dims: (e, ev),
+            q: AlignedBuf::new(rp * e),
+            qp: AlignedBuf::new(rp * e),
+            s: AlignedBuf::new(rp * BK),
+            o: AlignedBuf::new(rp * evp),
+            kp: AlignedBuf::new(k_block_len(BK, e)),
+            vp: AlignedBuf::new(v_block_len(BK, ev)),
+            m: vec![0.0; rp],
+            l: vec![0.0; rp],
+            alpha: vec![1.0; rp],
+            lo: vec![0; rp],
+            hi: vec![0; rp],
+            hh: vec![0; rp],
+            ii: vec![0; rp],
+            tmp: vec![0.0; NR * e.max(evp)],
+            row: vec![0.0; evp],
+        }
+    }
+}
+
+/// Splits `len` rows starting at `start` into balanced chunks of at most [`BQ`] rows.
+fn split_rows(start: usize, len: usize, out: &mut Vec<(usize, usize)>) {
+    if len == 0 {
+        return;
+    }
+    let nb = len.div_ceil(BQ);
+    let size = len.div_ceil(nb).div_ceil(ROW_ALIGN) * ROW_ALIGN;
+    let mut r = 0;
+    while r < len {
+        let n = size.min(len - r);
+        out.push((start + r, n));
+        r += n;
+    }
+}
+
+/// Runs `f(item_index, scratch)` for every item on all rayon threads, handing out
+/// items in order from a shared counter (items are pre-sorted largest first).
+fn run_dynamic<F>(n_items: usize, e: usize, ev: usize, f: F)
+where
+    F: Fn(usize, &mut Scratch) + Sync,
+{
+    if n_items == 0 {
+        return;
+    }
+    let nt = rayon::current_num_threads().min(n_items).max(1);
+    if nt == 1 {
+        with_scratch(e, ev, |sc| {
+            for i in 0..n_items {
+                f(i, sc);
+            }
+        });
+        return;
+    }
+    let next = AtomicUsize::new(0);
+    (0..nt).into_par_iter().for_each(|_| {
+        with_scratch(e, ev, |sc| loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= n_items {
+                break;
+            }
+            f(i, sc);
+        })
+    });
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Computes the attention output, `(B, Hq, L, Ev)` row-major.
+pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
+    let (b, hkv, l, s, e, ev) = (p.b, p.hkv, p.l, p.s, p.e, p.ev);
+    let g_sz = p.group();
+    let total_rows = b * p.hq * l;
+    let mut out = vec![T::default(); total_rows * ev];
+    if total_rows == 0 || ev == 0 || s == 0 {
+        return out;
+    }
+    let ngroups = b * hkv;
+    let rows_per_group = g_sz * l;
+
+    // Row blocks of one group (identical for every group).
+    let mut gblocks = Vec::new();
+    if l >= BQ / 2 {
+        for hl in 0..g_sz {
+            split_rows(hl * l, l, &mut gblocks);
+        }
+    } else {
+        split_rows(0, rows_per_group, &mut gblocks);
+    }
+    let blocks: Vec<Block> = (0..ngroups)
+        .flat_map(|g| gblocks.iter().map(move |&(r0, n)| Block { g, r0, n }))
+        .collect();
+
+    // Output slots in block order (blocks tile the output contiguously).
+    let mut slots: Vec<Mutex<Option<&mut [T]>>> = Vec::with_capacity(blocks.len());
+    let mut rest: &mut [T] = &mut out;
+    for blk in &blocks {
+        let (head, tail) = rest.split_at_mut(blk.n * ev);
+        slots.push(Mutex::new(Some(head)));
+        rest = tail;
+    }
+
+    // Visible-key union of a block's rows.
+    let union = |blk: &Block| -> (usize, usize) {
+        let (mut lo, mut hi) = (usize::MAX, 0);
+        for r in blk.r0..blk.r0 + blk.n {
+            let (a, z) = p.row_range(r % l);
+            if a < z {
+                lo = lo.min(a);
+                hi = hi.max(z);
+            }
+        }
+        (lo, hi)
+    };
+    let cost = |blk: &Block, ks0: usize, ks1: usize| -> usize {
+        let mut c = 0;
+        for r in blk.r0..blk.r0 + blk.n {
+            let (a, z) = p.row_range(r % l);
+            let (a, z) = (a.max(ks0), z.min(ks1));
+            c += z.saturating_sub(a) + 16;
+        }
+        c
+    };
+
+    let nt = rayon::current_num_threads().max(1);
+    if gblocks.len() == 1 {
+        // Streaming (decode-style) path: every group is one block, so K/V are packed
+        // block by block inside the work item (each K/V row is read once per group);
+        // with few groups the key range is split across threads and merged by LSE.
+        let nsplit = if ngroups < 2 * nt {
+            (2 * nt).div_ceil(ngroups).min((s / MIN_SPLIT_KEYS).max(1)).max(1)
+        } else {
+            1
+        };
+        let mut items = Vec::new();
+        for (bi, blk) in blocks.iter().enumerate() {
+            let (lo, hi) = union(blk);
+            if lo >= hi {
+                continue;
+            }
+            let lo_a = lo / BK * BK;
+            let chunk = (hi - lo_a).div_ceil(nsplit).div_ceil(BK) * BK;
+            let mut k0 = lo_a;
+            while k0 < hi {
+                let k1 = (k0 + chunk).min(hi);
+                items.push(Item {
+                    blk: bi,
+                    ks0: k0,
+                    ks1: k1,
+                    cost: cost(blk, k0, k1),
+                });
+                k0 = k1;
+            }
+        }
+        items.sort_by_key(|it| std::cmp::Reverse(it.cost));
+        let rows_pad = rows_per_group.div_ceil(ROW_ALIGN) * ROW_ALIGN;
+        let src = if rows_pad <= DECODE_MAX_ROWS && e.is_multiple_of(K_ALIGN) {
+            KvSrc::Rows
+        } else {
+            KvSrc::Stream
+        };
+        if nsplit == 1 {
+            run_dynamic(items.len(), e, ev, |i, sc| {
+                let it = items[i];
+                let blk = blocks[it.blk];
+                process(p, &blk, it.ks0, it.ks1, src, sc);
+                if let Some(dst) = lock(&slots[it.blk]).take() {
+                    finish(p, blk.n, sc, dst);
+                }
+            });
+        } else {
+            let partials: Vec<Mutex<Option<Partial>>> = items.iter().map(|_| Mutex::new(None)).collect();
+            run_dynamic(items.len(), e, ev, |i, sc| {
+                let it = items[i];
+                let blk = blocks[it.blk];
+                process(p, &blk, it.ks0, it.ks1, src, sc);
+                *lock(&partials[i]) = Some(Partial::from_scratch(p, blk.n, sc));
+            });
+            let mut per_block: Vec<Vec<Partial>> = blocks.iter().map(|_| Vec::new()).collect();
+            for (it, part) in items.iter().zip(partials) {
+                if let Some(pt) = part.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                    per_block[it.blk].push(pt);
+                }
+            }
+            per_block
+                .par_iter()
+                .zip(slots.par_iter())
+                .zip(blocks.par_iter())
+                .for_each(|((parts, slot), blk)| {
+                    if let Some(dst) = lock(slot).take() {
+                        merge::<T>(blk.n, ev, parts, dst);
+                    }
+                });
+        }
+        return out;
+    }
+
+    // Prefill path: pack K/V of a chunk of groups once (shared by all query heads of
+    // each GQA group and all their row blocks), then run the chunk's blocks.
+    let kbn = s.div_ceil(BK);
+    let kbl = k_block_len(BK, e);
+    let vbl = v_block_len(BK, ev);
+    let blk_len = kbl + vbl;
+    let group_len = kbn * blk_len;
+    let cg = (p.pack_budget / (group_len * 4).max(1)).clamp(1, ngroups);
+    let mut pack = AlignedBuf::new(cg * group_len);
+    let nbg = gblocks.len();
+    let mut g0 = 0;
+    while g0 < ngroups {
+        let gn = cg.min(ngroups - g0);
+        pack.as_mut_slice()[..gn * group_len]
+            .par_chunks_mut(blk_len)
+            .enumerate()
+            .for_each_init(
+                || vec![0f32; NR * e.max(ev.div_ceil(NR) * NR)],
+                |tmp, (idx, chunk)| {
+                    let gi = g0 + idx / kbn;
+                    let kb = idx % kbn;
+                    let (bb, kvh) = (gi / hkv, gi % hkv);
+                    let j0 = kb * BK;
+                    let nk = BK.min(s - j0);
+                    let (kc, vc) = chunk.split_at_mut(kbl);
+                    pack_k(&p.k, bb, kvh, j0, nk, e, kc, tmp);
+                    pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
+                },
+            );
+        let mut items: Vec<Item> = (g0 * nbg..(g0 + gn) * nbg)
+            .map(|bi| Item {
+                blk: bi,
+                ks0: 0,
+                ks1: s,
+                cost: cost(&blocks[bi], 0, s),
+            })
+            .collect();
+        items.sort_by_key(|it| std::cmp::Reverse(it.cost));
+        let packed = pack.as_slice();
+        run_dynamic(items.len(), e, ev, |i, sc| {
+            let it = items[i];
+            let blk = blocks[it.blk];
+            let gl = blk.g - g0;
+            let grp = &packed[gl * group_len..(gl + 1) * group_len];
+            process(p, &blk, 0, s, KvSrc::Packed(grp), sc);
+            if let Some(dst) = lock(&slots[it.blk]).take() {
+                finish(p, blk.n, sc, dst);
+            }
+        });
+        g0 += gn;
+    }
+    out
+}
+
+/// Unnormalised partial result of one split-K item.
+struct Partial {
+    m: Vec<f32>,
+    l: Vec<f32>,
+    o: Vec<f32>,
+}
+
+impl Partial {
+    fn from_scratch(p: &Problem, n: usize, sc: &Scratch) -> Self {
+        let ev = p.ev;
+        let evp = ev.div_ceil(NR) * NR;
+        let o_all = sc.o.as_slice();
+        let mut o = Vec::with_capacity(n * ev);
+        for r in 0..n {
+            o.extend_from_slice(&o_all[r * evp..r * evp + ev]);
+        }
+        Self {
+            m: sc.m[..n].to_vec(),
+            l: sc.l[..n].to_vec(),
+            o,
+        }
+    }
+}
+
+/// Log-sum-exp merge of split-K partials into the output rows.
+fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut [T]) {
+    let mut row = vec![0f32; ev];
+    for r in 0..n {
+        let mx = parts.iter().map(|pt| pt.m[r]).fold(f32::NEG_INFINITY, f32::max);
+        row.fill(0.0);
+        let mut lsum = 0f32;
+        if mx > f32::NEG_INFINITY {
+            for pt in parts {
+                if pt.m[r] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let w = exp2_scalar(pt.m[r] - mx);
+                lsum += w * pt.l[r];
+                for (o, &x) in row.iter_mut().zip(&pt.o[r * ev..(r + 1) * ev]) {
+                    *o += w * x;
+                }
+            }
+        }
+        let inv = if lsum > 0.0 { 1.0 / lsum } else { 0.0 };
+        for o in row.iter_mut() {
+            *o *= inv;
+        }
+        T::store(&mut dst[r * ev..(r + 1) * ev], &row);
+    }
+}
+
+/// Normalises the block accumulators in `sc` and stores them to `dst` (`n × Ev`).
+fn finish<T: OutElem>(p: &Problem, n: usize, sc: &mut Scratch, dst: &mut [T]) {
+    let ev = p.ev;
+    let evp = ev.div_ceil(NR) * NR;
+    let o = sc.o.as_slice();
+    for r in 0..n {
+        let l = sc.l[r];
+        let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+        let row = &mut sc.row[..ev];
+        for (d, &x) in row.iter_mut().zip(&o[r * evp..r * evp + ev]) {
+            *d = x * inv;
+        }
+        T::store(&mut dst[r * ev..(r + 1) * ev], row);
+    }
+}
+
+/// Runs one block against keys `[ks0, ks1)` (multiples of [`BK`], or `ks1 == S`),
+/// leaving unnormalised `o`, running max `m` (log2 domain) and sum `l` in the scratch.
+fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mut Scratch) {
+    let (l, s, e, ev) = (p.l, p.s, p.e, p.ev);
+    let g_sz = p.group();
+    let (bb, kvh) = (blk.g / p.hkv, blk.g % p.hkv);
+    let n = blk.n;
+    let rows = n.div_ceil(ROW_ALIGN) * ROW_ALIGN;
+    let evp = ev.div_ceil(NR) * NR;
+    let nvp = evp / NR;
+    let kbl = k_block_len(BK, e);
+    let vbl = v_block_len(BK, ev);
+    let isa = p.isa;
+
+    let Scratch {
+        q,
+        qp,
+        s: sbuf,
+        o,
+        kp,
+        vp,
+        m,
+        l: lsum,
+        alpha,
+        lo,
+        hi,
+        hh,
+        ii,
+        tmp,
+        ..
+    } = sc;
+
+    let rows_mode = matches!(src, KvSrc::Rows);
+    let qb = &mut q.as_mut_slice()[..rows * e];
+    let qpm = &mut qp.as_mut_slice()[..rows * e];
+    let (mut lo_min, mut hi_max) = (usize::MAX, 0usize);
+    let (mut max_lo, mut min_hi) = (0usize, usize::MAX);
+    for r in 0..n {
+        let (hl, i) = ((blk.r0 + r) / l, (blk.r0 + r) % l);
+        let h = kvh * g_sz + hl;
+        hh[r] = h;
+        ii[r] = i;
+        let off = p.q.row_offset(bb, h, i);
+        let qrow = &mut qb[r * e..(r + 1) * e];
+        p.q.read_row(off, qrow, p.scale * LOG2_E);
+        if !rows_mode {
+            // Strip-packed copy `[r / MR][x][r % MR]` for the register-tiled kernel.
+            let strip = &mut qpm[(r / MR) * MR * e..(r / MR + 1) * MR * e];
+            for (d, &x) in strip.chunks_exact_mut(MR).zip(qrow.iter()) {
+                d[r % MR] = x;
+            }
+        }
+        let (a, z) = p.row_range(i);
+        lo[r] = a;
+        hi[r] = z;
+        if a < z {
+            lo_min = lo_min.min(a);
+            hi_max = hi_max.max(z);
+        }
+        max_lo = max_lo.max(a);
+        min_hi = min_hi.min(z);
+    }
+    qb[n * e..].fill(0.0);
+    if !rows_mode {
+        for r in n..rows {
+            let strip = &mut qpm[(r / MR) * MR * e..(r / MR + 1) * MR * e];
+            for d in strip.chunks_exact_mut(MR) {
+                d[r % MR] = 0.0;
+            }
+        }
+    }
+    o.as_mut_slice()[..rows * evp].fill(0.0);
+    m[..rows].fill(f32::NEG_INFINITY);
+    lsum[..rows].fill(0.0);
+    alpha[..rows].fill(1.0);
+
+    let klo = lo_min.max(ks0);
+    let khi = hi_max.min(ks1).min(s);
+    if klo >= khi {
+        return;
+    }
+    let qb = &q.as_slice()[..rows * e];
+    let qpk = &qp.as_slice()[..rows * e];
+    for kb in klo / BK..khi.div_ceil(BK) {
+        let j0 = kb * BK;
+        let nk = BK.min(s - j0);
+        let npanels = nk.div_ceil(NR);
+        let sb = sbuf.as_mut_slice();
+        let need_causal = p.causal.is_some() && !(max_lo <= j0 && min_hi >= j0 + nk);
+        // On causal edge blocks, each 6-row strip only needs keys below its largest
+        // `hi`: trim the QK panels and the PV key count per strip.
+        let nstrips = rows / MR;
+        let mut snk = [nk; BQ.div_ceil(MR)];
+        let mut trimmed = false;
+        if need_causal && !matches!(src, KvSrc::Rows) {
+            for (st, v) in snk.iter_mut().enumerate().take(nstrips) {
+                let h = (st * MR..((st + 1) * MR).min(n))
+                    .map(|r| hi[r])
+                    .max()
+                    .unwrap_or(0);
+                *v = h.saturating_sub(j0).min(nk);
+                trimmed |= *v < nk;
+            }
+        }
+        let qk = |kps: &[f32], sb: &mut [f32]| {
+            if trimmed {
+                for (st, &k) in snk.iter().enumerate().take(nstrips) {
+                    if k > 0 {
+                        let qs = &qpk[st * MR * e..(st + 1) * MR * e];
+                        isa.qk(qs, MR, e, kps, k.div_ceil(NR), &mut sb[st * MR * BK..], BK);
+                    }
+                }
+            } else {
+                isa.qk(qpk, rows, e, kps, npanels, sb, BK);
+            }
+        };
+        // (V operand, V panel stride, V row stride)
+        let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
+            KvSrc::Packed(grp) => {
+                let base = kb * (kbl + vbl);
+                qk(&grp[base..base + kbl], sb);
+                (&grp[base + kbl..base + kbl + vbl], BK * NR, NR)
+            }
+            KvSrc::Stream => {
+                pack_k(&p.k, bb, kvh, j0, nk, e, kp.as_mut_slice(), tmp);
+                pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vp.as_mut_slice(), tmp);
+                qk(kp.as_slice(), sb);
+                (vp.as_slice(), BK * NR, NR)
+            }
+            KvSrc::Rows => {
+                let (ks, ldk) = rows_f32(&p.k, bb, kvh, j0, nk, e, K_ALIGN, kp.as_mut_slice());
+                isa.qk_dot(qb, rows, e, ks, ldk, nk, sb, BK);
+                let (vs, ldv) = rows_f32(&p.v, bb, kvh, j0, nk, ev, V_ALIGN, vp.as_mut_slice());
+                (vs, NR, ldv)
+            }
+        };
+        for r in 0..n {
+            let row = &mut sb[r * BK..r * BK + nk];
+            // Visible part of this row within the block.
+            let (a, z) = if need_causal {
+                let z = hi[r].saturating_sub(j0).min(nk);
+                (lo[r].saturating_sub(j0).min(z), z)
+            } else {
+                (0, nk)
+            };
+            let vis = &mut row[a..z];
+            if let Some(mk) = &p.mask {
+                mk.add_row(bb, hh[r], ii[r], j0 + a, vis, LOG2_E);
+            }
+            let (m_new, al, sum) = isa.online_row(vis, m[r]);
+            alpha[r] = al;
+            if m_new == f32::NEG_INFINITY {
+                row.fill(0.0);
+                continue;
+            }
+            row[..a].fill(0.0);
+            row[z..].fill(0.0);
+            lsum[r] = lsum[r] * al + sum;
+            m[r] = m_new;
+        }
+        let o = o.as_mut_slice();
+        if trimmed {
+            for (st, &k) in snk.iter().enumerate().take(nstrips) {
+                if k > 0 {
+                    let (r0, sbs) = (st * MR, &sb[st * MR * BK..]);
+                    isa.pv(
+                        sbs,
+                        MR,
+                        k,
+                        vsl,
+                        vps,
+                        ldv,
+                        nvp,
+                        &mut o[r0 * evp..],
+                        evp,
+                        &alpha[r0..],
+                    );
+                }
+            }
+        } else {
+            isa.pv(sb, rows, nk, vsl, vps, ldv, nvp, o, evp, alpha);
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! Base-2 exponentials for the softmax.
+//!
+//! Scores are kept in the log2 domain (`log2(e)` is folded into the query scale and
+//! applied to the additive mask), so the softmax needs `2^x` only. The AVX2 version
+//! splits `x = n + f` (`n = round(x)`, `|f| <= 1/2`), evaluates the degree-6 Taylor
+//! polynomial of `2^f = e^(f ln 2)` (truncation error < 1.2e-7 relative) and builds
+//! `2^n` in the exponent bits. Inputs below -126 (including -inf) give exactly 0,
+//! NaN gives 0.
+
+/// Scalar `2^x`, used by the portable kernel and for per-row rescale factors.
+#[inline]
+pub(crate) fn exp2_scalar(x: f32) -> f32 {
+    x.exp2()
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// 8-lane `2^x`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn exp2_256(x: __m256) -> __m256 {
+        let lo = _mm256_set1_ps(-126.0);
+        let valid = _mm256_cmp_ps::<_CMP_GE_OQ>(x, lo);
+        let xc = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(127.0)), lo);
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
+        let f = _mm256_sub_ps(xc, n);
+        let mut y = _mm256_set1_ps(1.540_353_e-4);
+        y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.333_355_8e-3));
+        y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(9.618_129e-3));
+        y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.550_411e-2));
+        y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(0.240_226_5));
+        y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(std::f32::consts::LN_2));
+        y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0));
+        let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        )));
+        _mm256_and_ps(_mm256_mul_ps(y, pow2n), valid)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn exp2_256_accuracy() {
+            if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+                return;
+            }
+            let mut worst = 0f64;
+            let mut x = -125.0f32;
+            while x < 125.0 {
+                let xs = [
+                    x,
+                    x + 0.001,
+                    x + 0.37,
+                    x + 0.5,
+                    x + 0.61,
+                    x + 0.77,
+                    x + 0.9,
+                    x + 0.999,
+                ];
+                let mut out = [0f32; 8];
+                // SAFETY: AVX2+FMA detected above; arrays hold 8 lanes.
+                unsafe {
+                    let v = exp2_256(_mm256_loadu_ps(xs.as_ptr()));
+                    _mm256_storeu_ps(out.as_mut_ptr(), v);
+                }
+                for (a, o) in xs.iter().zip(out) {
+                    let r = (*a as f64).exp2();
+                    let rel = ((o as f64) - r).abs() / r;
+                    worst = worst.max(rel);
+                }
+                x += 0.25;
+            }
+            assert!(worst < 3e-7, "worst rel err {worst}");
+            let special = [f32::NEG_INFINITY, -1e30, -127.0, -200.0, 0.0, f32::NAN, -0.0, 1.0];
+            let mut out = [0f32; 8];
+            // SAFETY: as above.
+            unsafe {
+                _mm256_storeu_ps(out.as_mut_ptr(), exp2_256(_mm256_loadu_ps(special.as_ptr())));
+            }
+            assert_eq!(&out[..4], &[0.0, 0.0, 0.0, 0.0]);
+            assert_eq!(out[4], 1.0);
+            assert_eq!(out[5], 0.0);
+            assert_eq!(out[6], 1.0);
+            assert_eq!(out[7], 2.0);
+        }
+    }
+}

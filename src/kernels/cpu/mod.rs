@@ -1,0 +1,397 @@
+//! Fused, tiled flash-attention kernel for the CPU.
+//!
+//! * Online-softmax tiling: blocks of up to [`driver::BQ`] (144) query rows against
+//!   blocks of [`pack::BK`] (64) keys; nothing of size L×S is ever materialised.
+//! * Work items are (batch, kv head, row block), where the rows of a block are the
+//!   flattened `(query head in the GQA group, query position)` pairs, so one block can
+//!   cover several query heads of a group (decode) and every block is a contiguous
+//!   range of the `(B, Hq, L, Ev)` output. Items are sorted by visible-key count and
+//!   handed out largest-first from an atomic counter on the rayon pool.
+//! * Prefill (several row blocks per group): K/V are converted to f32 and packed once per
+//!   (batch, kv head) into micro-kernel panels ([`pack`]), shared by every query head of
+//!   the group; groups are packed in chunks of at most 32 MiB, so extra memory stays
+//!   O(threads × block + 32 MiB) whatever L and S are.
+//! * One row block per group: K/V are packed block by block inside the item; with few
+//!   query rows per group (decode, `G·L` ≤ 24) K/V rows are read straight from the
+//!   source (f32) or converted row by row (f16/bf16) and fed to a dot-product score
+//!   kernel, so each K/V row is streamed once per GQA group. When there are fewer
+//!   groups than 2 × threads, the key range is split across items and merged with
+//!   log-sum-exp.
+//! * Register-blocked micro-kernels for `S = Q·Kᵀ` and `O = α·O + P·V` (6×16 tiles):
+//!   AVX2+FMA ([`avx2`]), NEON ([`neon`]) and a portable auto-vectorised fallback
+//!   ([`portable`]), chosen at runtime; a polynomial AVX2 `2^x` ([`exp`]) — scores are
+//!   kept in the log2 domain (`log2 e` folded into the query scale and the mask).
+//! * Causal / sliding-window visibility through loop bounds: hidden key blocks are
+//!   skipped, only edge blocks are masked, and on edge blocks each 6-row strip only
+//!   computes the key panels it can see. Optional additive mask with broadcasting.
+
+use candle::{CpuStorage, DType, Layout, Result, Storage, Tensor};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod decode;
+mod driver;
+mod exp;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+mod pack;
+mod portable;
+
+use pack::{Data, MaskView, View};
+
+/// Visibility rules applied by loop bounds (no L×S tensor is ever materialised).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Causal {
+    /// Key j is visible from query i iff j <= i + offset (top-left: 0; bottom-right: S - L).
+    pub offset: isize,
+    /// Optional sliding window W >= 1: additionally requires j > i + offset - W (exactly W keys).
+    pub window: Option<usize>,
+}
+
+/// Instruction set used by the micro-kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// x86-64 AVX2 + FMA.
+    Avx2Fma,
+    /// AArch64 NEON.
+    Neon,
+    /// Portable Rust (auto-vectorised by the compiler).
+    Portable,
+}
+
+impl Isa {
+    /// Name as reported by [`isa`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx2Fma => "avx2+fma",
+            Isa::Neon => "neon",
+            Isa::Portable => "portable",
+        }
+    }
+
+    /// Whether this machine can run the kernel for `self`.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => {
+                std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// The best instruction set available on this machine (ignores the env override).
+    pub fn detect() -> Isa {
+        if Isa::Avx2Fma.is_supported() {
+            Isa::Avx2Fma
+        } else if Isa::Neon.is_supported() {
+            Isa::Neon
+        } else {
+            Isa::Portable
+        }
+    }
+
+    /// [`Isa::detect`], unless `CANDLE_ATTENTION_ISA=portable` is set.
+    pub fn selected() -> Isa {
+        match std::env::var("CANDLE_ATTENTION_ISA") {
+            Ok(v) if v.eq_ignore_ascii_case("portable") => Isa::Portable,
+            _ => Isa::detect(),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn qk(self, q: &[f32], rows: usize, e: usize, kp: &[f32], np: usize, s: &mut [f32], lds: usize) {
+        match self {
+            // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => unsafe { avx2::qk(q, rows, e, kp, np, s, lds) },
+            // SAFETY: `Isa::Neon` only reaches the kernel after `is_supported()`.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::qk(q, rows, e, kp, np, s, lds) },
+            _ => portable::qk(q, rows, e, kp, np, s, lds),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn pv(
+        self,
+        p: &[f32],
+        rows: usize,
+        nk: usize,
+        vp: &[f32],
+        vps: usize,
+        ldv: usize,
+        nvp: usize,
+        o: &mut [f32],
+        ldo: usize,
+        alpha: &[f32],
+    ) {
+        match self {
+            // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => unsafe { avx2::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
+            // SAFETY: `Isa::Neon` only reaches the kernel after `is_supported()`.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
+            _ => portable::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn qk_dot(
+        self,
+        q: &[f32],
+        rows: usize,
+        e: usize,
+        k: &[f32],
+        ldk: usize,
+        nk: usize,
+        s: &mut [f32],
+        lds: usize,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx2Fma {
+            // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
+            return unsafe { avx2::qk_dot(q, rows, e, k, ldk, nk, s, lds) };
+        }
+        portable::qk_dot(q, rows, e, k, ldk, nk, s, lds)
+    }
+
+    /// Online-softmax update of one score row; see `avx2::online_row`.
+    #[inline]
+    fn online_row(self, x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx2Fma {
+            // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
+            return unsafe { avx2::online_row(x, m_old) };
+        }
+        portable::online_row(x, m_old)
+    }
+}
+
+/// The instruction set the kernel dispatches to on this machine: "avx2+fma", "neon" or
+/// "portable" (`CANDLE_ATTENTION_ISA=portable` forces the portable kernel; read per call).
+pub fn isa() -> &'static str {
+    Isa::selected().name()
+}
+
+/// Scaled dot-product attention, fused and tiled (see the module docs).
+///
+/// q: (B, Hq, L, E), k: (B, Hkv, S, E), v: (B, Hkv, S, Ev); all the same dtype, one of
+/// F32, F16, BF16; CPU device; any strides and start offsets. `Hq % Hkv == 0`; query head
+/// h uses kv head `h / (Hq / Hkv)`. mask: optional additive F32 mask of rank 4, each dim
+/// 1 or equal to (B, Hq, L, S). causal: optional loop-bound causal/window rule (combined
+/// with the mask). scale multiplies q·k. Returns (B, Hq, L, Ev), contiguous, input dtype;
+/// rows without any visible key are exactly 0.
+pub fn sdpa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: Option<Causal>,
+    scale: f32,
+) -> Result<Tensor> {
+    sdpa_with_isa(q, k, v, mask, causal, scale, Isa::selected())
+}
+
+fn dims4(t: &Tensor, name: &str) -> Result<[usize; 4]> {
+    match t.dims() {
+        &[a, b, c, d] => Ok([a, b, c, d]),
+        d => candle::bail!("sdpa: {name} must have rank 4, got shape {d:?}"),
+    }
+}
+
+fn data_of<'a>(s: &'a Storage, name: &str) -> Result<Data<'a>> {
+    match s {
+        Storage::Cpu(CpuStorage::F32(v)) => Ok(Data::F32(v)),
+        Storage::Cpu(CpuStorage::F16(v)) => Ok(Data::F16(v)),
+        Storage::Cpu(CpuStorage::BF16(v)) => Ok(Data::BF16(v)),
+        Storage::Cpu(_) => candle::bail!("sdpa: unsupported storage dtype for {name}"),
+        _ => candle::bail!("sdpa: {name} must be on the CPU device"),
+    }
+}
+
+fn view<'a>(st: &'a Storage, lay: &Layout, dims: [usize; 4], name: &str) -> Result<View<'a>> {
+    Ok(View {
+        data: data_of(st, name)?,
+        start: lay.start_offset(),
+        strides: strides4(lay, &dims),
+    })
+}
+
+fn strides4(layout: &Layout, dims: &[usize; 4]) -> [usize; 4] {
+    let st = layout.stride();
+    let mut out = [0; 4];
+    for i in 0..4 {
+        out[i] = if dims[i] == 1 { 0 } else { st[i] };
+    }
+    out
+}
+
+/// [`sdpa`] with an explicit instruction set (tests use this to cover every kernel).
+/// Errors if `isa` is not supported on this machine.
+#[allow(clippy::too_many_arguments)]
+pub fn sdpa_with_isa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: Option<Causal>,
+    scale: f32,
+    isa: Isa,
+) -> Result<Tensor> {
+    sdpa_impl(q, k, v, mask, causal, scale, isa, driver::PACK_BUDGET_BYTES)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sdpa_impl(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: Option<Causal>,
+    scale: f32,
+    isa: Isa,
+    pack_budget: usize,
+) -> Result<Tensor> {
+    if !isa.is_supported() {
+        candle::bail!(
+            "sdpa: instruction set {} is not supported on this machine",
+            isa.name()
+        );
+    }
+    let [b, hq, l, e] = dims4(q, "q")?;
+    let [bk, hkv, s, ek] = dims4(k, "k")?;
+    let [bv, hkv_v, sv, ev] = dims4(v, "v")?;
+    let dtype = q.dtype();
+    if k.dtype() != dtype || v.dtype() != dtype {
+        candle::bail!(
+            "sdpa: q, k, v must share a dtype, got q {dtype:?}, k {:?}, v {:?}",
+            k.dtype(),
+            v.dtype()
+        );
+    }
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        candle::bail!("sdpa: unsupported dtype {dtype:?} (expected F32, F16 or BF16)");
+    }
+    for (t, name) in [(q, "q"), (k, "k"), (v, "v")] {
+        if !t.device().is_cpu() {
+            candle::bail!("sdpa: {name} must be on the CPU device, got {:?}", t.device());
+        }
+    }
+    if bk != b || bv != b || hkv_v != hkv || sv != s || ek != e {
+        candle::bail!(
+            "sdpa: shape mismatch: q {:?} (B, Hq, L, E), k {:?} (B, Hkv, S, E), v {:?} (B, Hkv, S, Ev)",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if hkv == 0 && hq != 0 || hkv != 0 && hq % hkv != 0 {
+        candle::bail!(
+            "sdpa: query heads ({hq}) must be a multiple of kv heads ({hkv}); q {:?}, k {:?}",
+            q.dims(),
+            k.dims()
+        );
+    }
+    if let Some(c) = causal {
+        if c.window == Some(0) {
+            candle::bail!("sdpa: causal window must be >= 1, got 0");
+        }
+    }
+    if let Some(m) = mask {
+        let md = dims4(m, "mask")?;
+        if m.dtype() != DType::F32 {
+            candle::bail!("sdpa: mask must be F32 (additive), got {:?}", m.dtype());
+        }
+        if !m.device().is_cpu() {
+            candle::bail!("sdpa: mask must be on the CPU device, got {:?}", m.device());
+        }
+        let want = [b, hq, l, s];
+        if md.iter().zip(want).any(|(&d, w)| d != 1 && d != w) {
+            candle::bail!("sdpa: mask shape {md:?} does not broadcast to (B, Hq, L, S) = {want:?}");
+        }
+    }
+    let out_shape = (b, hq, l, ev);
+    if b * hq * l * ev == 0 {
+        return Tensor::zeros(out_shape, dtype, q.device());
+    }
+
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let qv = view(&qs, ql, [b, hq, l, e], "q")?;
+    let kv = view(&ks, kl, [b, hkv, s, e], "k")?;
+    let vv = view(&vs, vl, [b, hkv, s, ev], "v")?;
+    let mguard = mask.map(|m| m.storage_and_layout());
+    let mview = match &mguard {
+        None => None,
+        Some((ms, mlay)) => match &**ms {
+            Storage::Cpu(CpuStorage::F32(data)) => {
+                let md = dims4(mask.map_or(q, |m| m), "mask")?;
+                Some(MaskView {
+                    data,
+                    start: mlay.start_offset(),
+                    strides: strides4(mlay, &md),
+                })
+            }
+            _ => candle::bail!("sdpa: mask must be an F32 CPU tensor"),
+        },
+    };
+    let p = driver::Problem {
+        q: qv,
+        k: kv,
+        v: vv,
+        mask: mview,
+        causal,
+        scale,
+        isa,
+        b,
+        hq,
+        hkv,
+        l,
+        s,
+        e,
+        ev,
+        pack_budget,
+    };
+    let dev = q.device();
+    match dtype {
+        DType::F32 => Tensor::from_vec(driver::run::<f32>(&p), out_shape, dev),
+        DType::F16 => Tensor::from_vec(driver::run::<half::f16>(&p), out_shape, dev),
+        _ => Tensor::from_vec(driver::run::<half::bf16>(&p), out_shape, dev),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle::Device;
+
+    /// Several pack chunks (budget smaller than one group) must give identical results.
+    #[test]
+    fn pack_chunking_is_transparent() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1.0, (2, 6, 100, 32), &dev)?;
+        let k = Tensor::randn(0f32, 1.0, (2, 3, 150, 32), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (2, 3, 150, 24), &dev)?;
+        let c = Some(Causal {
+            offset: 50,
+            window: Some(70),
+        });
+        for isa in [Isa::Portable, Isa::detect()] {
+            let a = sdpa_impl(&q, &k, &v, None, c, 0.2, isa, driver::PACK_BUDGET_BYTES)?;
+            let b = sdpa_impl(&q, &k, &v, None, c, 0.2, isa, 1)?;
+            let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert_eq!(d, 0.0);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,300 @@
+//! Strided source views, dtype conversion and the K/V packing routines.
+//!
+//! Packed layouts (all f32, `NR = 16` lanes):
+//! * K block of `BK` keys: `BK / NR` panels, each `[E][NR]` (key-minor), i.e. the
+//!   transposed operand of the `S = Q·Kᵀ` micro-kernel. Keys past the end are zero.
+//! * V block of `BK` keys: `ceil(Ev / NR)` panels, each `[BK][NR]` (column-minor),
+//!   the right operand of the `O += P·V` micro-kernel. Columns past `Ev` are zero.
+
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+
+/// Lane count of a packed panel (two AVX2 registers, four NEON registers).
+pub(crate) const NR: usize = 16;
+/// Keys per block; also the fixed row stride of the score / probability block.
+pub(crate) const BK: usize = 64;
+/// Rows of a register tile; Q and P blocks are strip-packed as `[rows / MR][k][MR]`.
+pub(crate) const MR: usize = 6;
+
+/// Borrowed storage of one input tensor.
+#[derive(Clone, Copy)]
+pub(crate) enum Data<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+/// A rank-4 strided view (strides in elements; broadcast dims may have stride 0).
+#[derive(Clone, Copy)]
+pub(crate) struct View<'a> {
+    pub data: Data<'a>,
+    pub start: usize,
+    pub strides: [usize; 4],
+}
+
+impl View<'_> {
+    /// Element offset of `(i0, i1, i2, 0)`.
+    #[inline]
+    pub fn row_offset(&self, i0: usize, i1: usize, i2: usize) -> usize {
+        self.start + i0 * self.strides[0] + i1 * self.strides[1] + i2 * self.strides[2]
+    }
+
+    /// `n` elements at `off` as f32: borrowed from the storage when it is f32 with unit
+    /// inner stride, otherwise converted into `buf` (which must hold `n` floats).
+    #[inline]
+    pub fn row_f32<'s>(&'s self, off: usize, n: usize, buf: &'s mut [f32]) -> &'s [f32] {
+        if let Data::F32(s) = self.data {
+            if self.strides[3] == 1 || n <= 1 {
+                return &s[off..off + n];
+            }
+        }
+        let buf = &mut buf[..n];
+        self.read_row(off, buf, 1.0);
+        buf
+    }
+
+    /// Reads `dst.len()` elements starting at `off` with stride `strides[3]`,
+    /// converting to f32 and multiplying by `mul`.
+    #[inline]
+    pub fn read_row(&self, off: usize, dst: &mut [f32], mul: f32) {
+        let n = dst.len();
+        let st = self.strides[3];
+        if n == 0 {
+            return;
+        }
+        if st == 1 {
+            match self.data {
+                Data::F32(s) => {
+                    let src = &s[off..off + n];
+                    if mul == 1.0 {
+                        dst.copy_from_slice(src);
+                    } else {
+                        for (d, &x) in dst.iter_mut().zip(src) {
+                            *d = x * mul;
+                        }
+                    }
+                    return;
+                }
+                Data::F16(s) => f16_to_f32(&s[off..off + n], dst),
+                Data::BF16(s) => bf16_to_f32(&s[off..off + n], dst),
+            }
+        } else {
+            match self.data {
+                Data::F32(s) => {
+                    for (x, d) in dst.iter_mut().enumerate() {
+                        *d = s[off + x * st];
+                    }
+                }
+                Data::F16(s) => {
+                    for (x, d) in dst.iter_mut().enumerate() {
+                        *d = s[off + x * st].to_f32();
+                    }
+                }
+                Data::BF16(s) => {
+                    for (x, d) in dst.iter_mut().enumerate() {
+                        *d = s[off + x * st].to_f32();
+                    }
+                }
+            }
+        }
+        if mul != 1.0 {
+            for d in dst.iter_mut() {
+                *d *= mul;
+            }
+        }
+    }
+}
+
+/// bf16 → f32 is a 16-bit shift (auto-vectorised).
+#[inline]
+fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits((s.to_bits() as u32) << 16);
+    }
+}
+
+/// f16 → f32, with F16C when available.
+#[inline]
+fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx") {
+            // SAFETY: F16C and AVX were detected just above.
+            unsafe { f16_to_f32_f16c(src, dst) };
+            return;
+        }
+    }
+    src.convert_to_f32_slice(dst);
+}
+
+/// # Safety
+/// The CPU must support AVX and F16C; `dst.len() == src.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn f16_to_f32_f16c(src: &[f16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: `i + 8 <= n` elements are in bounds of both slices.
+        let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        i += 8;
+    }
+    for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
+        *d = s.to_f32();
+    }
+}
+
+/// Additive f32 mask view, rank 4, stride 0 on broadcast dims.
+#[derive(Clone, Copy)]
+pub(crate) struct MaskView<'a> {
+    pub data: &'a [f32],
+    pub start: usize,
+    pub strides: [usize; 4],
+}
+
+impl MaskView<'_> {
+    /// Adds `mul * mask[b, h, i, j0 .. j0 + row.len()]` to `row`.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_row(&self, b: usize, h: usize, i: usize, j0: usize, row: &mut [f32], mul: f32) {
+        let n = row.len();
+        if n == 0 {
+            return;
+        }
+        let st = self.strides[3];
+        let off = self.start + b * self.strides[0] + h * self.strides[1] + i * self.strides[2] + j0 * st;
+        if st == 1 {
+            for (d, &m) in row.iter_mut().zip(&self.data[off..off + n]) {
+                *d += m * mul;
+            }
+        } else {
+            for (x, d) in row.iter_mut().enumerate() {
+                *d += self.data[off + x * st] * mul;
+            }
+        }
+    }
+}
+
+/// Number of floats in one packed K block (`bk` keys, head dim `e`).
+#[inline]
+pub(crate) fn k_block_len(bk: usize, e: usize) -> usize {
+    bk * e
+}
+
+/// Number of floats in one packed V block (`bk` keys, value dim `ev`).
+#[inline]
+pub(crate) fn v_block_len(bk: usize, ev: usize) -> usize {
+    bk * ev.div_ceil(NR) * NR
+}
+
+/// Packs keys `j0 .. j0 + nk` of `(b, kvh)` into `dst` (`k_block_len(bk, e)` floats,
+/// `nk <= bk`). `tmp` must hold at least `NR * e` floats.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pack_k(
+    k: &View,
+    b: usize,
+    kvh: usize,
+    j0: usize,
+    nk: usize,
+    e: usize,
+    dst: &mut [f32],
+    tmp: &mut [f32],
+) {
+    let npanels = nk.div_ceil(NR);
+    for p in 0..npanels {
+        let kk = (nk - p * NR).min(NR);
+        let panel = &mut dst[p * e * NR..(p + 1) * e * NR];
+        if kk < NR {
+            panel.fill(0.0);
+        }
+        for (c, buf) in tmp[..NR * e].chunks_exact_mut(e.max(1)).take(kk).enumerate() {
+            let off = k.row_offset(b, kvh, j0 + p * NR + c);
+            let row = k.row_f32(off, e, buf);
+            for (out, &x) in panel.chunks_exact_mut(NR).zip(row) {
+                out[c] = x;
+            }
+        }
+    }
+}
+
+/// Packs values `j0 .. j0 + nk` of `(b, kvh)` into `dst` (`v_block_len(bk, ev)` floats,
+/// panel stride `bk * NR`). `tmp` must hold at least `ceil(ev / NR) * NR` floats.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pack_v(
+    v: &View,
+    b: usize,
+    kvh: usize,
+    j0: usize,
+    nk: usize,
+    bk: usize,
+    ev: usize,
+    dst: &mut [f32],
+    tmp: &mut [f32],
+) {
+    let nvp = ev.div_ceil(NR);
+    let full = ev / NR;
+    let rem = ev - full * NR;
+    for jl in 0..nk {
+        let off = v.row_offset(b, kvh, j0 + jl);
+        let row = v.row_f32(off, ev, &mut tmp[..ev]);
+        for n in 0..full {
+            let at = n * bk * NR + jl * NR;
+            dst[at..at + NR].copy_from_slice(&row[n * NR..(n + 1) * NR]);
+        }
+        if rem > 0 {
+            let at = (nvp - 1) * bk * NR + jl * NR;
+            dst[at..at + rem].copy_from_slice(&row[full * NR..]);
+            dst[at + rem..at + NR].fill(0.0);
+        }
+    }
+}
+
+/// Output element types: conversion from the f32 accumulators.
+pub(crate) trait OutElem: Copy + Send + Sync + Default + 'static {
+    fn store(dst: &mut [Self], src: &[f32]);
+}
+
+impl OutElem for f32 {
+    #[inline]
+    fn store(dst: &mut [f32], src: &[f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl OutElem for f16 {
+    #[inline]
+    fn store(dst: &mut [f16], src: &[f32]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+impl OutElem for bf16 {
+    #[inline]
+    fn store(dst: &mut [bf16], src: &[f32]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+/// A zero-initialised f32 buffer whose data starts on a 64-byte boundary.
+pub(crate) struct AlignedBuf {
+    buf: Vec<f32>,
+    off: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    pub fn new(len: usize) -> Self {
+        let buf = vec![0f32; len + 16];
+        let off = buf.as_ptr().align_offset(64).min(16);
+        Self { buf, off, len }
+    }
+    #[inline]
+    pub fn as_slice(&self) -> &[f32] {
+        &self.buf[self.off..self.off + self.len]
+    }
+    #[inline]
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
+}

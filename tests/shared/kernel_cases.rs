@@ -1,0 +1,229 @@
+//! Randomised comparison of the fused CPU kernel with the reference path, shared by
+//! `tests/kernel.rs` (the detected instruction set) and `tests/kernel_portable.rs`
+//! (the portable fallback, forced by `CANDLE_ATTENTION_ISA=portable`).
+use candle_attention::{sdpa, AttnMask, Backend, CausalAlign, SdpaOptions};
+use candle_core::{DType, Device, Result, Tensor};
+
+/// A small deterministic generator, so failures reproduce.
+pub struct Lcg(u64);
+
+impl Lcg {
+    pub fn new(seed: u64) -> Self {
+        Self(
+            seed.wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407),
+        )
+    }
+    pub fn next_f32(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32) / ((1u64 << 24) as f32)
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        ((self.next_f32() * n as f32) as usize).min(n - 1)
+    }
+    pub fn normal(&mut self, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                // Box-Muller
+                let (a, b) = (self.next_f32().max(1e-7), self.next_f32());
+                (-2.0 * a.ln()).sqrt() * (2.0 * std::f32::consts::PI * b).cos()
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+    }
+    pub fn keep(&mut self, shape: &[usize], p: f32) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<u8> = (0..n).map(|_| (self.next_f32() < p) as u8).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+    }
+}
+
+pub fn tol(dt: DType) -> f64 {
+    match dt {
+        DType::F16 => 5e-3,
+        DType::BF16 => 2e-2,
+        _ => 1e-5,
+    }
+}
+
+/// `max|a − b| / max(1, max|b|)`.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.to_dtype(DType::F64)?;
+    let b = b.to_dtype(DType::F64)?;
+    let d = (&a - &b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    let m = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    Ok(d / m.max(1.0))
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub b: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub l: usize,
+    pub s: usize,
+    pub e: usize,
+    pub ev: usize,
+}
+
+pub const SHAPES: &[Shape] = &[
+    Shape {
+        b: 1,
+        hq: 1,
+        hkv: 1,
+        l: 1,
+        s: 1,
+        e: 8,
+        ev: 8,
+    },
+    Shape {
+        b: 2,
+        hq: 4,
+        hkv: 4,
+        l: 37,
+        s: 53,
+        e: 24,
+        ev: 24,
+    },
+    Shape {
+        b: 1,
+        hq: 8,
+        hkv: 4,
+        l: 5,
+        s: 3,
+        e: 16,
+        ev: 8,
+    },
+    Shape {
+        b: 2,
+        hq: 8,
+        hkv: 2,
+        l: 1,
+        s: 131,
+        e: 64,
+        ev: 64,
+    },
+    Shape {
+        b: 1,
+        hq: 8,
+        hkv: 1,
+        l: 67,
+        s: 67,
+        e: 40,
+        ev: 20,
+    },
+    Shape {
+        b: 3,
+        hq: 2,
+        hkv: 2,
+        l: 130,
+        s: 70,
+        e: 17,
+        ev: 33,
+    },
+    Shape {
+        b: 1,
+        hq: 16,
+        hkv: 2,
+        l: 3,
+        s: 300,
+        e: 128,
+        ev: 128,
+    },
+    Shape {
+        b: 1,
+        hq: 2,
+        hkv: 2,
+        l: 200,
+        s: 200,
+        e: 64,
+        ev: 64,
+    },
+];
+
+/// Every mask kind the dispatcher hands to the kernel, for one shape.
+pub fn masks(r: &mut Lcg, sh: &Shape) -> Result<Vec<(String, SdpaOptions)>> {
+    let mut out = vec![
+        ("none".to_string(), SdpaOptions::new()),
+        ("causal".to_string(), SdpaOptions::new().with_causal(true)),
+        (
+            "bottom_right".to_string(),
+            SdpaOptions::new().with_mask(AttnMask::causal_bottom_right()),
+        ),
+        (
+            "window".to_string(),
+            SdpaOptions::new().with_mask(AttnMask::sliding_window(
+                1 + r.below(9),
+                CausalAlign::BottomRight,
+            )?),
+        ),
+        (
+            "scale".to_string(),
+            SdpaOptions::new().with_scale(0.05 + r.next_f32() as f64),
+        ),
+    ];
+    // Keep masks of every broadcast shape (each of B, H, L, S either 1 or full), some with
+    // fully masked rows (p = 0.3 leaves many rows without keys when S is small).
+    for bits in 0..16u32 {
+        let full = [sh.b, sh.hq, sh.l, sh.s];
+        let shape: Vec<usize> = (0..4)
+            .map(|i| if bits >> i & 1 == 1 { full[i] } else { 1 })
+            .collect();
+        let p = if bits % 3 == 0 { 0.3 } else { 0.8 };
+        let m = r.keep(&shape, p)?;
+        out.push((
+            format!("keep{shape:?}"),
+            SdpaOptions::new().with_mask(AttnMask::keep(&m)?),
+        ));
+    }
+    let add = (r.normal(&[sh.b, 1, sh.l, sh.s])? * 2.0)?;
+    out.push((
+        "additive+causal".to_string(),
+        SdpaOptions::new()
+            .with_mask(AttnMask::additive(&add)?)
+            .with_causal(true),
+    ));
+    Ok(out)
+}
+
+/// Runs every shape × mask × dtype, contiguous and strided, through both paths.
+pub fn fused_matches_reference(seed: u64) -> Result<usize> {
+    let mut r = Lcg::new(seed);
+    let mut checked = 0;
+    for sh in SHAPES {
+        let q = r.normal(&[sh.b, sh.l, sh.hq, sh.e])?;
+        let k = r.normal(&[sh.b, sh.s, sh.hkv, sh.e])?;
+        let v = r.normal(&[sh.b, sh.s, sh.hkv, sh.ev])?;
+        for (name, opts) in masks(&mut r, sh)? {
+            for dt in [DType::F32, DType::F16, DType::BF16] {
+                // (B, L, H, E) viewed as (B, H, L, E): non-contiguous inputs.
+                let (qs, ks, vs) = (
+                    q.to_dtype(dt)?.transpose(1, 2)?,
+                    k.to_dtype(dt)?.transpose(1, 2)?,
+                    v.to_dtype(dt)?.transpose(1, 2)?,
+                );
+                let opts = opts.clone().with_gqa(sh.hq != sh.hkv);
+                let want = sdpa(&qs, &ks, &vs, &opts.clone().with_backend(Backend::Reference))?;
+                for (qi, ki, vi) in [
+                    (qs.clone(), ks.clone(), vs.clone()),
+                    (qs.contiguous()?, ks.contiguous()?, vs.contiguous()?),
+                ] {
+                    let got = sdpa(&qi, &ki, &vi, &opts.clone().with_backend(Backend::Fused))?;
+                    assert_eq!(got.dtype(), dt);
+                    let err = rel_err(&got, &want)?;
+                    assert!(
+                        err <= tol(dt),
+                        "{sh:?} {name} {dt:?}: error {err:e} > {}",
+                        tol(dt)
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    Ok(checked)
+}
