@@ -1,7 +1,7 @@
 //! Times this crate's SDPA against candle's own paths, side by side in one process.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--json] [--case NAME] [--dtype f32|bf16|f16] [--rounds N] [--min-secs S]
+//! cargo run --release --example bench -- [--json] [--case NAME] [--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S]
 //! ```
 //!
 //! Implementations (`impl`): `ours` (this crate, default dispatch), `candle_unfused`
@@ -138,7 +138,7 @@ struct Row {
     peak_rss_mb: f64,
 }
 
-fn bench_case(c: &Case, dt: DType, rounds: usize, min_secs: f64) -> Result<Vec<Row>> {
+fn bench_case(c: &Case, dt: DType, only_impl: Option<&str>, rounds: usize, min_secs: f64) -> Result<Vec<Row>> {
     let dev = Device::Cpu;
     let rnd =
         |shape: &[usize]| -> Result<Tensor> { Ok(Tensor::randn(0f32, 1f32, shape, &dev)?.to_dtype(dt)?) };
@@ -260,6 +260,9 @@ fn bench_case(c: &Case, dt: DType, rounds: usize, min_secs: f64) -> Result<Vec<R
     // Warm-up, acceptance, calibration and memory.
     let mut runnable = Vec::new();
     for (name, f) in impls {
+        if only_impl.is_some_and(|i| i != name) {
+            continue;
+        }
         let t0 = Instant::now();
         match f() {
             Ok(_) => {}
@@ -305,6 +308,7 @@ fn main() -> Result<()> {
     let mut json = false;
     let mut only_case: Option<String> = None;
     let mut only_dtype: Option<DType> = None;
+    let mut only_impl: Option<String> = None;
     let mut rounds = 5usize;
     let mut min_secs = 1.0f64;
     let mut args = std::env::args().skip(1);
@@ -312,6 +316,7 @@ fn main() -> Result<()> {
         match a.as_str() {
             "--json" => json = true,
             "--case" => only_case = args.next(),
+            "--impl" => only_impl = args.next(),
             "--dtype" => {
                 only_dtype = Some(match args.next().as_deref() {
                     Some("f32") => DType::F32,
@@ -344,7 +349,7 @@ fn main() -> Result<()> {
         .filter(|c| only_case.as_deref().is_none_or(|n| n == c.name))
     {
         for &dt in c.dtypes.iter().filter(|d| only_dtype.is_none_or(|o| o == **d)) {
-            for r in bench_case(c, dt, rounds, min_secs)? {
+            for r in bench_case(c, dt, only_impl.as_deref(), rounds, min_secs)? {
                 if json {
                     println!(
                         "{}",

@@ -11,7 +11,8 @@ Timing rule (the same as the Rust side): after a warm-up, `rounds` timings, each
 whole calls for at least `min-secs`; the figure is the median time per call. PyTorch runs
 `F.scaled_dot_product_attention` (`nn.MultiheadAttention` for `mha_layer`) with as many
 threads as the machine has cores, under `torch.inference_mode()`. Torch and the Rust binary
-alternate: torch, rust, torch, rust, and each side's figure is the median over both turns.
+alternate: torch, rust, torch; torch's figure is the median over both of its turns. The Rust
+side runs `--impl ours` (the candle comparisons come from `examples/bench.rs` itself).
 """
 import argparse
 import json
@@ -85,7 +86,8 @@ def torch_case(name, dtype, rounds, min_secs):
 
 def rust_case(name, dtype, rounds, min_secs):
     out = subprocess.run(
-        [BIN, "--json", "--case", name, "--dtype", dtype, "--rounds", str(rounds), "--min-secs", str(min_secs)],
+        [BIN, "--json", "--case", name, "--dtype", dtype, "--impl", "ours", "--rounds", str(rounds),
+         "--min-secs", str(min_secs)],
         check=True, capture_output=True, text=True,
     ).stdout
     return {r["impl"]: r for r in map(json.loads, out.splitlines())}
@@ -102,23 +104,18 @@ def main():
         sys.exit(f"build the Rust benchmark first: cargo build --release --example bench ({BIN} is missing)")
     torch.set_num_threads(os.cpu_count())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'case':<18} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10} {'unfused/ours':>12} {'flash/ours':>10}")
+    print(f"{'case':<18} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10}")
     for name, spec in CASES.items():
         if args.case and args.case != name:
             continue
         for dtype in spec[8]:
             if args.dtype and args.dtype != dtype:
                 continue
-            torch_t, ours = [], {}
-            for _ in range(2):  # alternate: torch, rust, torch, rust
-                torch_t.append(torch_case(name, dtype, args.rounds, args.min_secs) * 1e3)
-                for imp, row in rust_case(name, dtype, args.rounds, args.min_secs).items():
-                    ours.setdefault(imp, []).append(row["ms"])
+            torch_t = [torch_case(name, dtype, args.rounds, args.min_secs) * 1e3]
+            ours = rust_case(name, dtype, args.rounds, args.min_secs)["ours"]["ms"]
+            torch_t.append(torch_case(name, dtype, args.rounds, args.min_secs) * 1e3)
             t = statistics.median(torch_t)
-            o = statistics.median(ours["ours"])
-            ratio = lambda imp: f"{statistics.median(ours[imp]) / o:.2f}" if imp in ours else "-"
-            print(f"{name:<18} {dtype:<5} {t:>10.3f} {o:>10.3f} {t / o:>10.2f} {ratio('candle_unfused'):>12} {ratio('candle_flash'):>10}",
-                  flush=True)
+            print(f"{name:<18} {dtype:<5} {t:>10.3f} {ours:>10.3f} {t / ours:>10.2f}", flush=True)
 
 
 if __name__ == "__main__":
