@@ -138,7 +138,13 @@ struct Row {
     peak_rss_mb: f64,
 }
 
-fn bench_case(c: &Case, dt: DType, only_impl: Option<&str>, rounds: usize, min_secs: f64) -> Result<Vec<Row>> {
+fn bench_case(
+    c: &Case,
+    dt: DType,
+    only_impl: Option<&str>,
+    rounds: usize,
+    min_secs: f64,
+) -> Result<Vec<Row>> {
     let dev = Device::Cpu;
     let rnd =
         |shape: &[usize]| -> Result<Tensor> { Ok(Tensor::randn(0f32, 1f32, shape, &dev)?.to_dtype(dt)?) };

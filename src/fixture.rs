@@ -80,11 +80,15 @@ pub fn dtype_name(dtype: DType) -> &'static str {
 pub struct Fixture {
     /// The file stem.
     pub name: String,
+    /// `kind` from the metadata (`sdpa`, `multihead_attention`, …).
     pub kind: String,
     /// The dtype the fixture was exported in.
     pub dtype: DType,
+    /// `config` from the metadata, parsed.
     pub config: Value,
+    /// `call` from the metadata, parsed (`{}` when absent).
     pub call: Value,
+    /// The exporter's `torch.__version__`.
     pub torch_version: Option<String>,
     /// Every `__metadata__` entry, as stored.
     pub metadata: HashMap<String, String>,
@@ -94,6 +98,7 @@ pub struct Fixture {
 /// How to run a fixture.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
+    /// Where the layer runs.
     pub device: Device,
     /// Run in this dtype instead of the file's (float tensors are cast).
     pub dtype: Option<DType>,
@@ -114,7 +119,9 @@ impl Default for RunOptions {
 /// The outcome of one fixture.
 #[derive(Clone, Debug, Serialize)]
 pub struct FixtureReport {
+    /// The fixture name (file stem).
     pub name: String,
+    /// `kind` from the metadata (`sdpa`, `multihead_attention`, …).
     pub kind: String,
     /// The dtype it ran in (`f32`, …).
     pub dtype: String,
@@ -122,7 +129,9 @@ pub struct FixtureReport {
     pub max_abs_err: f64,
     /// `max|got − expected| / max(1, max|expected|)`, the value held against `tol`.
     pub max_rel_err: f64,
+    /// The tolerance `max_rel_err` is held against.
     pub tol: f64,
+    /// `max_rel_err <= tol`.
     pub pass: bool,
 }
 

@@ -12,6 +12,7 @@
 //! - [`fixture`] is the runner that checks a layer against a PyTorch fixture file.
 //!
 //! Every layer implements [`candle_nn::Module`] and runs on any candle device.
+#![warn(missing_docs)]
 extern crate candle_core as candle;
 pub mod alibi;
 pub mod cache;

@@ -48,7 +48,9 @@ impl CausalAlign {
 /// `i` iff `j <= i + offset` and, with a window `W`, `j > i + offset - W`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CausalRule {
+    /// Key `j` is visible from query `i` only if `j <= i + offset`.
     pub offset: isize,
+    /// With a window `W`, also only if `j > i + offset - W`.
     pub window: Option<usize>,
 }
 

@@ -24,7 +24,9 @@ fn yes() -> bool {
 /// defaults for absent keys; unknown keys such as `device` are ignored).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MultiheadAttentionConfig {
+    /// Model width `E`.
     pub embed_dim: usize,
+    /// Number of heads; `E` must be a multiple of it.
     pub num_heads: usize,
     /// Attention dropout; inference ignores it.
     #[serde(default)]

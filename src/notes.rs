@@ -26,9 +26,13 @@ fn yes() -> bool {
 /// Weight-name prefixes of the four projections (each holds `.weight` and `.bias`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProjNames {
+    /// Query projection.
     pub q: String,
+    /// Key projection.
     pub k: String,
+    /// Value projection.
     pub v: String,
+    /// Output projection.
     pub o: String,
 }
 

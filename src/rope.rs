@@ -22,23 +22,36 @@ pub enum RopeScaling {
     /// Plain RoPE.
     Default,
     /// Position interpolation: every frequency divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        /// Divisor of every frequency.
+        factor: f64,
+    },
     /// Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
     Llama3 {
+        /// Divisor of the low frequencies.
         factor: f64,
+        /// Wavelengths above `original / low_freq_factor` are divided by `factor`.
         low_freq_factor: f64,
+        /// Wavelengths below `original / high_freq_factor` are kept.
         high_freq_factor: f64,
+        /// The pre-training context length.
         original_max_position_embeddings: f64,
     },
     /// YaRN (gpt-oss, DeepSeek, Qwen long-context).
     Yarn {
+        /// Context extension factor.
         factor: f64,
+        /// The pre-training context length.
         original_max_position_embeddings: f64,
+        /// Rotations above which dims extrapolate (default 32).
         beta_fast: f64,
+        /// Rotations below which dims interpolate (default 1).
         beta_slow: f64,
         /// Explicit cos/sin scaling; `None` derives it from `factor`, `mscale`, `mscale_all_dim`.
         attention_factor: Option<f64>,
+        /// DeepSeek's `mscale`.
         mscale: Option<f64>,
+        /// DeepSeek's `mscale_all_dim`.
         mscale_all_dim: Option<f64>,
         /// Round the correction range to whole dims (Hugging Face's default: true).
         truncate: bool,
@@ -54,7 +67,9 @@ pub struct RopeConfig {
     pub rotary_dim: usize,
     /// `rope_theta`, the base wavelength.
     pub theta: f64,
+    /// How rotated dims are paired.
     pub style: RopeStyle,
+    /// Frequency scaling.
     pub scaling: RopeScaling,
 }
 

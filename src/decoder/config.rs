@@ -10,24 +10,48 @@ use candle::Result;
 pub enum QkvLayout {
     /// Four `nn.Linear`s, `<name>.weight` `(out, in)` (Llama, Mistral, Qwen, Gemma, gpt-oss, Whisper).
     Separate {
+        /// Query projection name.
         q: String,
+        /// Key projection name.
         k: String,
+        /// Value projection name.
         v: String,
+        /// Output projection name.
         o: String,
+        /// The query projection has a bias.
         q_bias: bool,
+        /// The key projection has a bias.
         k_bias: bool,
+        /// The value projection has a bias.
         v_bias: bool,
+        /// The output projection has a bias.
         o_bias: bool,
     },
     /// GPT-2's `Conv1D`s: `<qkv>.weight` `(hidden, 3·hidden)` (transposed), always with biases.
-    Conv1dPacked { qkv: String, o: String },
+    Conv1dPacked {
+        /// The packed projection (`c_attn`).
+        qkv: String,
+        /// The output projection (`c_proj`).
+        o: String,
+    },
     /// One linear whose output is `(H, 3, head_dim)` per token: GPT-NeoX and BLOOM's `query_key_value`.
-    HeadInterleaved { qkv: String, o: String, bias: bool },
+    HeadInterleaved {
+        /// The packed projection (`query_key_value`).
+        qkv: String,
+        /// The output projection (`dense`).
+        o: String,
+        /// Both projections have biases.
+        bias: bool,
+    },
     /// One linear whose output is `[q | k | v]` (Phi-3's `qkv_proj`).
     Packed {
+        /// The packed projection (`qkv_proj`).
         qkv: String,
+        /// The output projection (`o_proj`).
         o: String,
+        /// The packed projection has a bias.
         qkv_bias: bool,
+        /// The output projection has a bias.
         o_bias: bool,
     },
 }
@@ -52,6 +76,7 @@ impl QkvLayout {
 /// `k_norm.weight` `(head_dim)`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct QkNorm {
+    /// Added to the mean square (`rms_norm_eps`).
     pub eps: f64,
     /// Gemma's RMSNorm multiplies by `1 + weight` instead of `weight`.
     pub unit_offset: bool,
@@ -60,12 +85,17 @@ pub struct QkNorm {
 /// Everything the [`super::DecoderAttention`] layer needs, independent of the model family.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecoderAttentionConfig {
+    /// Model width.
     pub hidden_size: usize,
+    /// Query heads.
     pub num_heads: usize,
     /// Key/value heads (GQA/MQA); must divide `num_heads`.
     pub num_kv_heads: usize,
+    /// Size of one head (need not be `hidden_size / num_heads`).
     pub head_dim: usize,
+    /// How the projections are stored.
     pub layout: QkvLayout,
+    /// Per-head RMSNorm of queries and keys.
     pub qk_norm: Option<QkNorm>,
     /// Rotary embedding, if any.
     pub rope: Option<RopeConfig>,
@@ -89,26 +119,39 @@ pub struct DecoderAttentionConfig {
 /// optional here; [`DecoderAttentionConfig::from_hf`] says which one is missing.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct HfConfig {
+    /// `model_type` in `config.json`.
     pub model_type: Option<String>,
+    /// `hidden_size` in `config.json`.
     pub hidden_size: Option<usize>,
     /// GPT-2's name for `hidden_size`.
     pub n_embd: Option<usize>,
     /// Whisper's name for `hidden_size`.
     pub d_model: Option<usize>,
+    /// `num_attention_heads` in `config.json`.
     pub num_attention_heads: Option<usize>,
     /// GPT-2 / BLOOM's name for `num_attention_heads`.
     pub n_head: Option<usize>,
+    /// `decoder_attention_heads` in `config.json`.
     pub decoder_attention_heads: Option<usize>,
+    /// `num_key_value_heads` in `config.json`.
     pub num_key_value_heads: Option<usize>,
+    /// `head_dim` in `config.json`.
     pub head_dim: Option<usize>,
+    /// `sliding_window` in `config.json`.
     pub sliding_window: Option<usize>,
+    /// `use_sliding_window` in `config.json`.
     pub use_sliding_window: Option<bool>,
+    /// `max_window_layers` in `config.json`.
     pub max_window_layers: Option<usize>,
+    /// `layer_types` in `config.json`.
     pub layer_types: Option<Vec<String>>,
+    /// `attention_bias` in `config.json`.
     pub attention_bias: Option<bool>,
+    /// `partial_rotary_factor` in `config.json`.
     pub partial_rotary_factor: Option<f64>,
     /// GPT-NeoX's older name for `partial_rotary_factor`.
     pub rotary_pct: Option<f64>,
+    /// `rope_theta` in `config.json`.
     pub rope_theta: Option<f64>,
     /// GPT-NeoX's older name for `rope_theta`.
     pub rotary_emb_base: Option<f64>,
@@ -116,14 +159,23 @@ pub struct HfConfig {
     pub rope_scaling: Option<Value>,
     /// transformers 5: `{"rope_type", "rope_theta", "factor", …}`, possibly one per layer type.
     pub rope_parameters: Option<Value>,
+    /// `max_position_embeddings` in `config.json`.
     pub max_position_embeddings: Option<usize>,
+    /// `n_positions` in `config.json`.
     pub n_positions: Option<usize>,
+    /// `original_max_position_embeddings` in `config.json`.
     pub original_max_position_embeddings: Option<usize>,
+    /// `rms_norm_eps` in `config.json`.
     pub rms_norm_eps: Option<f64>,
+    /// `attn_logit_softcapping` in `config.json`.
     pub attn_logit_softcapping: Option<f64>,
+    /// `query_pre_attn_scalar` in `config.json`.
     pub query_pre_attn_scalar: Option<f64>,
+    /// `scale_attn_weights` in `config.json`.
     pub scale_attn_weights: Option<bool>,
+    /// `scale_attn_by_inverse_layer_idx` in `config.json`.
     pub scale_attn_by_inverse_layer_idx: Option<bool>,
+    /// `rotary_emb_interleaved` in `config.json`.
     pub rotary_emb_interleaved: Option<bool>,
 }
 
