@@ -1,14 +1,14 @@
 //! Fused, tiled flash-attention kernel for the CPU.
 //!
-//! * Online-softmax tiling: blocks of up to [`driver::BQ`] (144) query rows against
-//!   blocks of [`pack::BK`] (64) keys; nothing of size L×S is ever materialised.
+//! * Online-softmax tiling: blocks of up to `driver::BQ` (144) query rows against
+//!   blocks of `pack::BK` (64) keys; nothing of size L×S is ever materialised.
 //! * Work items are (batch, kv head, row block), where the rows of a block are the
 //!   flattened `(query head in the GQA group, query position)` pairs, so one block can
 //!   cover several query heads of a group (decode) and every block is a contiguous
 //!   range of the `(B, Hq, L, Ev)` output. Items are sorted by visible-key count and
 //!   handed out largest-first from an atomic counter on the rayon pool.
 //! * Prefill (several row blocks per group): K/V are converted to f32 and packed once per
-//!   (batch, kv head) into micro-kernel panels ([`pack`]), shared by every query head of
+//!   (batch, kv head) into micro-kernel panels (`pack`), shared by every query head of
 //!   the group; groups are packed in chunks of at most 32 MiB, so extra memory stays
 //!   O(threads × block + 32 MiB) whatever L and S are.
 //! * One row block per group: K/V are packed block by block inside the item; with few
@@ -18,8 +18,8 @@
 //!   groups than 2 × threads, the key range is split across items and merged with
 //!   log-sum-exp.
 //! * Register-blocked micro-kernels for `S = Q·Kᵀ` and `O = α·O + P·V` (6×16 tiles):
-//!   AVX2+FMA ([`avx2`]), NEON ([`neon`]) and a portable auto-vectorised fallback
-//!   ([`portable`]), chosen at runtime; a polynomial AVX2 `2^x` ([`exp`]) — scores are
+//!   AVX2+FMA (`avx2`), NEON (`neon`) and a portable auto-vectorised fallback
+//!   (`portable`), chosen at runtime; a polynomial AVX2 `2^x` (`exp`) — scores are
 //!   kept in the log2 domain (`log2 e` folded into the query scale and the mask).
 //! * Causal / sliding-window visibility through loop bounds: hidden key blocks are
 //!   skipped, only edge blocks are masked, and on edge blocks each 6-row strip only

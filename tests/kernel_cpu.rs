@@ -1,0 +1,502 @@
+//! The fused CPU kernel called directly, on every instruction set this machine supports,
+//! against a naive candle reference (including its error paths).
+
+use candle_attention::kernels::cpu::{sdpa, sdpa_with_isa, Causal, Isa};
+use candle_core::{DType, Device, Result, Tensor, D};
+
+/// Deterministic xorshift generator.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+    fn vec(&mut self, n: usize, amp: f32) -> Vec<f32> {
+        (0..n).map(|_| (self.uniform() * 2.0 - 1.0) * amp).collect()
+    }
+}
+
+fn isas() -> Vec<Isa> {
+    let mut v = vec![Isa::Portable];
+    let best = Isa::detect();
+    if best != Isa::Portable {
+        v.push(best);
+    }
+    v
+}
+
+/// Naive reference: f32 math in candle ops, mask and causal rule as dense (L, S) masks,
+/// softmax with fully masked rows -> 0, cast back to the input dtype.
+fn reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: Option<Causal>,
+    scale: f32,
+) -> Result<Tensor> {
+    let dtype = q.dtype();
+    let (b, hq, l, _e) = q.dims4()?;
+    let (_, hkv, s, e) = k.dims4()?;
+    let ev = v.dim(3)?;
+    let g = hq / hkv;
+    let q = q.to_dtype(DType::F32)?.contiguous()?;
+    let k = k
+        .to_dtype(DType::F32)?
+        .unsqueeze(2)?
+        .broadcast_as((b, hkv, g, s, e))?
+        .reshape((b, hq, s, e))?;
+    let v = v
+        .to_dtype(DType::F32)?
+        .unsqueeze(2)?
+        .broadcast_as((b, hkv, g, s, ev))?
+        .reshape((b, hq, s, ev))?;
+    let mut scores = (q.matmul(&k.t()?.contiguous()?)? * scale as f64)?;
+    if let Some(m) = mask {
+        scores = scores.broadcast_add(m)?;
+    }
+    if let Some(c) = causal {
+        let mut cm = vec![0f32; l * s];
+        for i in 0..l {
+            for j in 0..s {
+                let top = i as isize + c.offset;
+                let mut vis = (j as isize) <= top;
+                if let Some(w) = c.window {
+                    vis &= (j as isize) > top - w as isize;
+                }
+                if !vis {
+                    cm[i * s + j] = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let cm = Tensor::from_vec(cm, (1, 1, l, s), &Device::Cpu)?;
+        scores = scores.broadcast_add(&cm)?;
+    }
+    let m = scores.max_keepdim(D::Minus1)?;
+    let finite = m.ge(f32::MIN as f64)?;
+    let m = finite.where_cond(&m, &m.zeros_like()?)?;
+    let ex = scores.broadcast_sub(&m)?.exp()?;
+    let sum = ex.sum_keepdim(D::Minus1)?.maximum(1e-30f64)?;
+    let p = ex.broadcast_div(&sum)?;
+    p.matmul(&v.contiguous()?)?.to_dtype(dtype)
+}
+
+fn tol(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 5e-3,
+        _ => 2e-2,
+    }
+}
+
+fn max_rel_err(ours: &Tensor, reference: &Tensor) -> Result<f32> {
+    assert_eq!(ours.dims(), reference.dims());
+    assert_eq!(ours.dtype(), reference.dtype());
+    assert!(ours.is_contiguous());
+    let a = ours.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let r = reference.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let denom = r.iter().fold(1f32, |m, x| m.max(x.abs()));
+    let mut worst = 0f32;
+    for (x, y) in a.iter().zip(&r) {
+        assert!(x.is_finite(), "non-finite output {x}");
+        worst = worst.max((x - y).abs() / denom);
+    }
+    Ok(worst)
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    l: usize,
+    s: usize,
+    e: usize,
+    ev: usize,
+    dtype: DType,
+    /// Which mask dims are full (vs 1); None = no mask.
+    mask: Option<[bool; 4]>,
+    /// Fraction of -inf mask entries; also fully masks some rows when > 0.
+    neg_inf: f32,
+    causal: Option<Causal>,
+    /// Build q/k/v as transposed (B, L, H, E) views with a start offset.
+    noncontig: bool,
+    amp: f32,
+}
+
+fn make_input(rng: &mut Rng, c: &Case, h: usize, n: usize, d: usize) -> Result<Tensor> {
+    let t = if c.noncontig {
+        // (B, n, h, d + 3) narrowed and transposed -> (B, h, n, d), non-contiguous, offset.
+        let full = Tensor::from_vec(
+            rng.vec(c.b * n * h * (d + 3), c.amp),
+            (c.b, n, h, d + 3),
+            &Device::Cpu,
+        )?;
+        full.narrow(3, 2, d)?.transpose(1, 2)?
+    } else {
+        Tensor::from_vec(rng.vec(c.b * h * n * d, c.amp), (c.b, h, n, d), &Device::Cpu)?
+    };
+    t.to_dtype(c.dtype)
+}
+
+fn run_case(rng: &mut Rng, c: &Case) -> Result<()> {
+    let q = make_input(rng, c, c.hq, c.l, c.e)?;
+    let k = make_input(rng, c, c.hkv, c.s, c.e)?;
+    let v = make_input(rng, c, c.hkv, c.s, c.ev)?;
+    let mask = match c.mask {
+        None => None,
+        Some(full) => {
+            let want = [c.b, c.hq, c.l, c.s];
+            let dims: Vec<usize> = (0..4).map(|i| if full[i] { want[i] } else { 1 }).collect();
+            let n: usize = dims.iter().product();
+            let mut vals = rng.vec(n, 2.0);
+            for x in vals.iter_mut() {
+                if rng.uniform() < c.neg_inf {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+            // Fully mask one row (of the last dim) when requested.
+            if c.neg_inf > 0.0 && dims[3] > 0 && n > 0 {
+                let rows = n / dims[3];
+                let r = rng.range(0, rows - 1);
+                vals[r * dims[3]..(r + 1) * dims[3]].fill(f32::NEG_INFINITY);
+            }
+            let m = Tensor::from_vec(vals, dims.as_slice(), &Device::Cpu)?;
+            // Present broadcast dims as stride-0 views half of the time.
+            if rng.uniform() < 0.5 {
+                Some(m.broadcast_as((
+                    if full[0] { c.b } else { 1 },
+                    if full[1] { c.hq } else { 1 },
+                    if full[2] { c.l } else { 1 },
+                    if full[3] { c.s } else { 1 },
+                ))?)
+            } else {
+                Some(m)
+            }
+        }
+    };
+    let scale = 1.0 / (c.e.max(1) as f32).sqrt();
+    let r = reference(&q, &k, &v, mask.as_ref(), c.causal, scale)?;
+    for isa in isas() {
+        let o = sdpa_with_isa(&q, &k, &v, mask.as_ref(), c.causal, scale, isa)?;
+        let err = max_rel_err(&o, &r)?;
+        assert!(
+            err <= tol(c.dtype),
+            "{isa:?} err {err} > {} for {c:?}",
+            tol(c.dtype)
+        );
+    }
+    Ok(())
+}
+
+fn base(b: usize, hq: usize, hkv: usize, l: usize, s: usize, e: usize) -> Case {
+    Case {
+        b,
+        hq,
+        hkv,
+        l,
+        s,
+        e,
+        ev: e,
+        dtype: DType::F32,
+        mask: None,
+        neg_inf: 0.0,
+        causal: None,
+        noncontig: false,
+        amp: 1.0,
+    }
+}
+
+#[test]
+fn basic_shapes() -> Result<()> {
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    for &(b, hq, hkv, l, s, e) in &[
+        (1, 1, 1, 1, 1, 8),
+        (1, 2, 1, 1, 5, 16),
+        (2, 4, 2, 7, 9, 32),
+        (1, 8, 1, 33, 17, 64),
+        (1, 4, 4, 100, 130, 64),
+        (2, 8, 2, 61, 200, 24),
+        (1, 2, 2, 97, 63, 128),
+        (1, 8, 8, 5, 700, 32),
+        (1, 3, 3, 50, 1, 7),
+    ] {
+        run_case(&mut rng, &base(b, hq, hkv, l, s, e))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn randomized() -> Result<()> {
+    let mut rng = Rng(0xdead_beef_cafe_f00d);
+    let dtypes = [DType::F32, DType::F16, DType::BF16];
+    for iter in 0..120 {
+        let g = [1, 2, 4, 8][rng.range(0, 3)];
+        let hkv = rng.range(1, 2);
+        let l = match rng.range(0, 3) {
+            0 => 1,
+            1 => rng.range(2, 16),
+            _ => rng.range(17, 150),
+        };
+        let s = match rng.range(0, 2) {
+            0 => rng.range(1, 15),
+            _ => rng.range(16, 260),
+        };
+        let e = [8, 16, 33, 64, 80][rng.range(0, 4)];
+        let mut c = base(rng.range(1, 2), g * hkv, hkv, l, s, e);
+        c.ev = if rng.uniform() < 0.3 { rng.range(1, 70) } else { e };
+        c.dtype = dtypes[iter % 3];
+        c.noncontig = rng.uniform() < 0.3;
+        c.amp = if rng.uniform() < 0.2 { 4.0 } else { 1.0 };
+        if rng.uniform() < 0.5 {
+            let bits = rng.range(0, 15);
+            c.mask = Some([bits & 1 != 0, bits & 2 != 0, bits & 4 != 0, bits & 8 != 0]);
+            c.neg_inf = if rng.uniform() < 0.5 { 0.3 } else { 0.0 };
+        }
+        if rng.uniform() < 0.5 {
+            let offset = match rng.range(0, 3) {
+                0 => 0,
+                1 => s as isize - l as isize,
+                2 => -(rng.range(0, 5) as isize),
+                _ => rng.range(0, 40) as isize,
+            };
+            let window = if rng.uniform() < 0.4 {
+                Some(rng.range(1, 70))
+            } else {
+                None
+            };
+            c.causal = Some(Causal { offset, window });
+        }
+        run_case(&mut rng, &c)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn every_mask_broadcast_shape_and_dtype() -> Result<()> {
+    let mut rng = Rng(42);
+    for bits in 0..16usize {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let mut c = base(2, 4, 2, 13, 75, 32);
+            c.dtype = dtype;
+            c.mask = Some([bits & 1 != 0, bits & 2 != 0, bits & 4 != 0, bits & 8 != 0]);
+            c.neg_inf = 0.25;
+            run_case(&mut rng, &c)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn causal_offsets_and_windows() -> Result<()> {
+    let mut rng = Rng(7);
+    for &(l, s) in &[
+        (1usize, 1usize),
+        (1, 300),
+        (64, 64),
+        (97, 97),
+        (50, 300),
+        (300, 50),
+        (129, 257),
+    ] {
+        for offset in [0isize, s as isize - l as isize, -3, 5] {
+            for window in [None, Some(1), Some(16), Some(65)] {
+                let mut c = base(1, 2, 1, l, s, 32);
+                c.causal = Some(Causal { offset, window });
+                run_case(&mut rng, &c)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn causal_with_mask_and_gqa() -> Result<()> {
+    let mut rng = Rng(99);
+    for g in [1usize, 2, 4, 8] {
+        let mut c = base(2, 2 * g, 2, 70, 90, 64);
+        c.causal = Some(Causal {
+            offset: 20,
+            window: Some(40),
+        });
+        c.mask = Some([true, false, false, true]);
+        c.neg_inf = 0.2;
+        c.noncontig = true;
+        run_case(&mut rng, &c)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn larger_prefill_blocks() -> Result<()> {
+    // Several row blocks per head, several key blocks, edge-block trimming, GQA.
+    let mut rng = Rng(31337);
+    for dtype in [DType::F32, DType::F16] {
+        let mut c = base(1, 8, 2, 333, 517, 64);
+        c.dtype = dtype;
+        c.causal = Some(Causal {
+            offset: 517 - 333,
+            window: None,
+        });
+        run_case(&mut rng, &c)?;
+        c.causal = Some(Causal {
+            offset: 517 - 333,
+            window: Some(200),
+        });
+        c.mask = Some([false, false, true, true]);
+        c.neg_inf = 0.1;
+        run_case(&mut rng, &c)?;
+        c.causal = None;
+        c.ev = 40;
+        c.noncontig = true;
+        run_case(&mut rng, &c)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn decode_split_k() -> Result<()> {
+    // Few groups and a long key range exercise the split-K / LSE merge path.
+    let mut rng = Rng(2024);
+    for &(hq, hkv, l) in &[(1usize, 1usize, 1usize), (4, 1, 1), (8, 2, 3), (32, 8, 1)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let mut c = base(1, hq, hkv, l, 2100, 64);
+            c.dtype = dtype;
+            run_case(&mut rng, &c)?;
+            c.causal = Some(Causal {
+                offset: 2100 - l as isize,
+                window: Some(900),
+            });
+            run_case(&mut rng, &c)?;
+            c.causal = None;
+            c.mask = Some([false, true, true, true]);
+            c.neg_inf = 0.5;
+            run_case(&mut rng, &c)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn fully_masked_rows_are_zero() -> Result<()> {
+    let q = Tensor::ones((1, 2, 4, 8), DType::F32, &Device::Cpu)?;
+    let k = Tensor::ones((1, 1, 6, 8), DType::F32, &Device::Cpu)?;
+    let v = Tensor::ones((1, 1, 6, 8), DType::F32, &Device::Cpu)?;
+    let mask = Tensor::full(f32::NEG_INFINITY, (1, 1, 1, 6), &Device::Cpu)?;
+    for isa in isas() {
+        let o = sdpa_with_isa(&q, &k, &v, Some(&mask), None, 1.0, isa)?;
+        assert!(o.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 0.0));
+        // Causal offset -10: no key visible from any row.
+        let o = sdpa_with_isa(
+            &q,
+            &k,
+            &v,
+            None,
+            Some(Causal {
+                offset: -10,
+                window: None,
+            }),
+            1.0,
+            isa,
+        )?;
+        assert!(o.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 0.0));
+    }
+    // S == 0.
+    let k0 = Tensor::zeros((1, 1, 0, 8), DType::F32, &Device::Cpu)?;
+    let o = sdpa(&q, &k0, &k0, None, None, 1.0)?;
+    assert_eq!(o.dims(), &[1, 2, 4, 8]);
+    assert!(o.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 0.0));
+    // L == 0.
+    let q0 = Tensor::zeros((1, 2, 0, 8), DType::F32, &Device::Cpu)?;
+    assert_eq!(sdpa(&q0, &k, &v, None, None, 1.0)?.dims(), &[1, 2, 0, 8]);
+    Ok(())
+}
+
+#[test]
+fn zero_head_dim_averages_values() -> Result<()> {
+    // E == 0: every score is 0, so each output row is the mean of the visible values.
+    let dev = Device::Cpu;
+    let q = Tensor::zeros((1, 2, 3, 0), DType::F32, &dev)?;
+    let k = Tensor::zeros((1, 1, 5, 0), DType::F32, &dev)?;
+    let v = Tensor::arange(0f32, 20.0, &dev)?.reshape((1, 1, 5, 4))?;
+    let want = v.mean_keepdim(2)?.broadcast_as((1, 2, 3, 4))?;
+    for isa in isas() {
+        let o = sdpa_with_isa(&q, &k, &v, None, None, 1.0, isa)?;
+        assert!(max_rel_err(&o, &want.contiguous()?)? < 1e-6);
+    }
+    Ok(())
+}
+
+#[test]
+fn extreme_causal_parameters() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = Tensor::randn(0f32, 1.0, (1, 2, 9, 16), &dev)?;
+    let k = Tensor::randn(0f32, 1.0, (1, 2, 11, 16), &dev)?;
+    let v = Tensor::randn(0f32, 1.0, (1, 2, 11, 16), &dev)?;
+    let full = sdpa(&q, &k, &v, None, None, 0.25)?;
+    let all = Causal {
+        offset: isize::MAX,
+        window: Some(usize::MAX),
+    };
+    let o = sdpa(&q, &k, &v, None, Some(all), 0.25)?;
+    assert!(max_rel_err(&o, &full)? < 1e-6);
+    let none = Causal {
+        offset: isize::MIN,
+        window: None,
+    };
+    let o = sdpa(&q, &k, &v, None, Some(none), 0.25)?;
+    assert!(o.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 0.0));
+    Ok(())
+}
+
+#[test]
+fn invalid_inputs_error() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = Tensor::zeros((1, 4, 3, 8), DType::F32, &dev)?;
+    let k = Tensor::zeros((1, 2, 5, 8), DType::F32, &dev)?;
+    let v = Tensor::zeros((1, 2, 5, 6), DType::F32, &dev)?;
+    assert!(sdpa(&q, &k, &v, None, None, 1.0).is_ok());
+    let q3 = Tensor::zeros((4, 3, 8), DType::F32, &dev)?;
+    assert!(sdpa(&q3, &k, &v, None, None, 1.0).is_err());
+    let kh = k.to_dtype(DType::F16)?;
+    assert!(sdpa(&q, &kh, &v, None, None, 1.0).is_err());
+    let qi = Tensor::zeros((1, 4, 3, 8), DType::U32, &dev)?;
+    let ki = Tensor::zeros((1, 2, 5, 8), DType::U32, &dev)?;
+    let vi = Tensor::zeros((1, 2, 5, 6), DType::U32, &dev)?;
+    assert!(sdpa(&qi, &ki, &vi, None, None, 1.0).is_err());
+    let k3 = Tensor::zeros((1, 3, 5, 8), DType::F32, &dev)?;
+    let v3 = Tensor::zeros((1, 3, 5, 6), DType::F32, &dev)?;
+    assert!(sdpa(&q, &k3, &v3, None, None, 1.0).is_err());
+    let ke = Tensor::zeros((1, 2, 5, 7), DType::F32, &dev)?;
+    assert!(sdpa(&q, &ke, &v, None, None, 1.0).is_err());
+    let vs = Tensor::zeros((1, 2, 4, 6), DType::F32, &dev)?;
+    assert!(sdpa(&q, &k, &vs, None, None, 1.0).is_err());
+    let bad_mask = Tensor::zeros((1, 1, 2, 5), DType::F32, &dev)?;
+    let err = sdpa(&q, &k, &v, Some(&bad_mask), None, 1.0).unwrap_err();
+    assert!(err.to_string().contains("mask"), "{err}");
+    let mask_f16 = Tensor::zeros((1, 1, 1, 5), DType::F16, &dev)?;
+    assert!(sdpa(&q, &k, &v, Some(&mask_f16), None, 1.0).is_err());
+    let mask3 = Tensor::zeros((1, 3, 5), DType::F32, &dev)?;
+    assert!(sdpa(&q, &k, &v, Some(&mask3), None, 1.0).is_err());
+    let c = Causal {
+        offset: 0,
+        window: Some(0),
+    };
+    assert!(sdpa(&q, &k, &v, None, Some(c), 1.0).is_err());
+    Ok(())
+}
+
+#[test]
+fn isa_name() {
+    let name = candle_attention::kernels::cpu::isa();
+    assert!(["avx2+fma", "neon", "portable"].contains(&name));
+}
