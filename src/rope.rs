@@ -240,6 +240,14 @@ impl RotaryEmbedding {
         if min < 0 {
             candle::bail!("rope: positions out of range: position_ids contains {min}")
         }
+        self.cos_sin_unchecked(position_ids, dtype)
+    }
+
+    /// [`Self::cos_sin`] without the range check, for callers that validated the positions.
+    pub(crate) fn cos_sin_unchecked(&self, position_ids: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let (b, l) = position_ids.dims2()?;
+        let dev = position_ids.device();
+        let half = self.inv_freq.len();
         // f64 on CPU; f32 elsewhere (Metal has no f64).
         let cd = if dev.is_cpu() || dtype == DType::F64 {
             DType::F64

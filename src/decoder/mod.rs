@@ -277,7 +277,8 @@ impl DecoderAttention {
             kv.ok_or_else(|| candle::Error::Msg("attention: no keys".into()))?,
         );
         if let Some(rope) = &self.rope {
-            let (cos, sin) = rope.cos_sin(position_ids, q.dtype())?;
+            // check_positions already validated them.
+            let (cos, sin) = rope.cos_sin_unchecked(position_ids, q.dtype())?;
             q = rope.apply(&q.contiguous()?, &cos, &sin)?;
             k = rope.apply(&k.contiguous()?, &cos, &sin)?;
         }
