@@ -113,10 +113,20 @@ impl DecoderAttention {
                 lin(o, qd, hidden, *o_bias)?,
             ),
         };
+        // Norm weights are kept as applied: in the accumulation dtype, `1 + w` for Gemma.
+        let norm_weight = |name: &str, unit_offset: bool| -> Result<Tensor> {
+            let w = vb.get(hd, name)?;
+            let w = w.to_dtype(compute_dtype(w.dtype()))?;
+            if unit_offset {
+                w + 1.0
+            } else {
+                Ok(w)
+            }
+        };
         let (q_norm, k_norm) = match cfg.qk_norm {
-            Some(_) => (
-                Some(vb.get(hd, "q_norm.weight")?),
-                Some(vb.get(hd, "k_norm.weight")?),
+            Some(n) => (
+                Some(norm_weight("q_norm.weight", n.unit_offset)?),
+                Some(norm_weight("k_norm.weight", n.unit_offset)?),
             ),
             None => (None, None),
         };
@@ -209,7 +219,7 @@ impl DecoderAttention {
         };
         let norm = |t: Tensor, w: &Option<Tensor>| -> Result<Tensor> {
             match (w, self.cfg.qk_norm) {
-                (Some(w), Some(n)) => rms_norm(&t, w, n.eps, n.unit_offset),
+                (Some(w), Some(n)) => rms_norm(&t, w, n.eps),
                 _ => Ok(t),
             }
         };
@@ -402,7 +412,7 @@ impl DecoderAttention {
                 let (b, s, _) = enc.dims3()?;
                 let k = k.forward(enc)?.reshape((b, s, hkv, hd))?;
                 let k = match (&self.k_norm, self.cfg.qk_norm) {
-                    (Some(w), Some(n)) => rms_norm(&k, w, n.eps, n.unit_offset)?,
+                    (Some(w), Some(n)) => rms_norm(&k, w, n.eps)?,
                     _ => k,
                 };
                 let v = v.forward(enc)?.reshape((b, s, hkv, hd))?;
@@ -431,15 +441,14 @@ impl DecoderAttention {
     }
 }
 
-/// RMSNorm over the last dim in the accumulation dtype: `x / rms(x) · w` (or `· (1 + w)`).
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, unit_offset: bool) -> Result<Tensor> {
+/// RMSNorm over the last dim in the accumulation dtype: `x / rms(x) · w`, where `w` is the
+/// weight as applied (already `1 + w` for Gemma, see [`DecoderAttention::new`]).
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let cd = compute_dtype(x.dtype());
     let x = x.to_dtype(cd)?;
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let y = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
-    let w = w.to_dtype(cd)?;
-    let w = if unit_offset { (w + 1.0)? } else { w };
-    y.broadcast_mul(&w)
+    y.broadcast_mul(&w.to_dtype(cd)?)
 }
 
 impl Module for DecoderAttention {
