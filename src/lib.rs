@@ -32,8 +32,8 @@ pub use mha::{MhaArgs, MultiheadAttention, MultiheadAttentionConfig};
 pub use notes::{AttentionConfig, CausalAttention, MultiHeadAttention, ProjNames, ScaledDotProductAttention};
 pub use proj::Proj;
 pub use rope::{RopeConfig, RopeScaling, RopeStyle, RotaryEmbedding};
-/// The instruction set of the fused CPU kernel on this machine: `avx2+fma`, `neon` or
-/// `portable` (`CANDLE_ATTENTION_ISA=portable` forces the portable kernel).
+/// The instruction set of the fused CPU kernel on this machine: `avx512`, `avx2+fma`, `neon`
+/// or `portable` (`CANDLE_ATTENTION_ISA=portable|avx2|avx512` forces one the machine supports).
 pub fn cpu_kernel_isa() -> &'static str {
     kernels::cpu::isa()
 }

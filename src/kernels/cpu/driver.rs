@@ -594,7 +594,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             }
             KvSrc::Rows => {
                 let (ks, ldk) = rows_f32(&p.k, bb, kvh, j0, nk, e, K_ALIGN, kp.as_mut_slice());
-                isa.qk_dot(qb, rows, e, ks, ldk, nk, sb, BK);
+                isa.qk_dot(qb, rows, n, e, ks, ldk, nk, sb, BK);
                 let (vs, ldv) = rows_f32(&p.v, bb, kvh, j0, nk, ev, V_ALIGN, vp.as_mut_slice());
                 (vs, NR, ldv)
             }

@@ -29,6 +29,8 @@ use candle::{CpuStorage, DType, Layout, Result, Storage, Tensor};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod decode;
 mod driver;
 mod exp;
@@ -51,6 +53,8 @@ pub struct Causal {
 /// Instruction set used by the micro-kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
+    /// x86-64 AVX-512F (12×32 register tiles).
+    Avx512,
     /// x86-64 AVX2 + FMA.
     Avx2Fma,
     /// AArch64 NEON.
@@ -63,6 +67,7 @@ impl Isa {
     /// Name as reported by [`isa`].
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512 => "avx512",
             Isa::Avx2Fma => "avx2+fma",
             Isa::Neon => "neon",
             Isa::Portable => "portable",
@@ -73,6 +78,8 @@ impl Isa {
     pub fn is_supported(self) -> bool {
         match self {
             Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => {
                 std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
@@ -86,7 +93,9 @@ impl Isa {
 
     /// The best instruction set available on this machine (ignores the env override).
     pub fn detect() -> Isa {
-        if Isa::Avx2Fma.is_supported() {
+        if Isa::Avx512.is_supported() {
+            Isa::Avx512
+        } else if Isa::Avx2Fma.is_supported() {
             Isa::Avx2Fma
         } else if Isa::Neon.is_supported() {
             Isa::Neon
@@ -95,10 +104,19 @@ impl Isa {
         }
     }
 
-    /// [`Isa::detect`], unless `CANDLE_ATTENTION_ISA=portable` is set.
+    /// [`Isa::detect`], unless `CANDLE_ATTENTION_ISA` names a supported instruction set
+    /// (`portable`, `avx2` or `avx512`; an unsupported or unknown name is ignored).
     pub fn selected() -> Isa {
-        match std::env::var("CANDLE_ATTENTION_ISA") {
-            Ok(v) if v.eq_ignore_ascii_case("portable") => Isa::Portable,
+        let forced = match std::env::var("CANDLE_ATTENTION_ISA") {
+            Ok(v) if v.eq_ignore_ascii_case("portable") => Some(Isa::Portable),
+            Ok(v) if v.eq_ignore_ascii_case("avx2") || v.eq_ignore_ascii_case("avx2+fma") => {
+                Some(Isa::Avx2Fma)
+            }
+            Ok(v) if v.eq_ignore_ascii_case("avx512") => Some(Isa::Avx512),
+            _ => None,
+        };
+        match forced {
+            Some(isa) if isa.is_supported() => isa,
             _ => Isa::detect(),
         }
     }
@@ -110,6 +128,9 @@ impl Isa {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => unsafe { avx2::qk(q, rows, e, kp, np, s, lds) },
+            // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::qk(q, rows, e, kp, np, s, lds) },
             // SAFETY: `Isa::Neon` only reaches the kernel after `is_supported()`.
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => unsafe { neon::qk(q, rows, e, kp, np, s, lds) },
@@ -136,6 +157,9 @@ impl Isa {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => unsafe { avx2::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
+            // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
             // SAFETY: `Isa::Neon` only reaches the kernel after `is_supported()`.
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => unsafe { neon::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
@@ -149,6 +173,7 @@ impl Isa {
         self,
         q: &[f32],
         rows: usize,
+        live: usize,
         e: usize,
         k: &[f32],
         ldk: usize,
@@ -156,6 +181,11 @@ impl Isa {
         s: &mut [f32],
         lds: usize,
     ) {
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx512 {
+            // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
+            return unsafe { avx512::qk_dot(q, rows, live, e, k, ldk, nk, s, lds) };
+        }
         #[cfg(target_arch = "x86_64")]
         if self == Isa::Avx2Fma {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
@@ -168,6 +198,11 @@ impl Isa {
     #[inline]
     fn online_row(self, x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
         #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx512 {
+            // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
+            return unsafe { avx512::online_row(x, m_old) };
+        }
+        #[cfg(target_arch = "x86_64")]
         if self == Isa::Avx2Fma {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
             return unsafe { avx2::online_row(x, m_old) };
@@ -176,8 +211,9 @@ impl Isa {
     }
 }
 
-/// The instruction set the kernel dispatches to on this machine: "avx2+fma", "neon" or
-/// "portable" (`CANDLE_ATTENTION_ISA=portable` forces the portable kernel; read per call).
+/// The instruction set the kernel dispatches to on this machine: "avx512", "avx2+fma",
+/// "neon" or "portable" (`CANDLE_ATTENTION_ISA=portable|avx2|avx512` forces one, where the
+/// machine supports it; read per call).
 pub fn isa() -> &'static str {
     Isa::selected().name()
 }

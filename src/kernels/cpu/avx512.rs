@@ -1,0 +1,456 @@
+//! AVX-512F micro-kernels: 12×32 register tiles (24 zmm accumulators, 2 panel loads,
+//! broadcasts folded into the FMAs), with 6-row and 16-key tails. The packed layouts
+//! are the AVX2 ones (`pack`): a zmm register holds exactly one 16-lane panel row, and a
+//! 12-row tile reads two 6-row Q strips.
+//!
+//! Every function here is `unsafe` and requires a CPU with AVX-512F; the dispatcher only
+//! selects `Isa::Avx512` after runtime detection.
+
+use super::pack::{BK, MR, NR};
+use std::arch::x86_64::*;
+
+/// 16-lane `2^x` (see `exp::avx2::exp2_256`: same split, same polynomial). Inputs below
+/// -126 (including -inf) give exactly 0, NaN gives 0.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn exp2_512(x: __m512) -> __m512 {
+    let lo = _mm512_set1_ps(-126.0);
+    let valid = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lo);
+    let xc = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(127.0)), lo);
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
+    let f = _mm512_sub_ps(xc, n);
+    let mut y = _mm512_set1_ps(1.540_353_e-4);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.333_355_8e-3));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.618_129e-3));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550_411e-2));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.240_226_5));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(std::f32::consts::LN_2));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0));
+    let pow2n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    )));
+    _mm512_maskz_mov_ps(valid, _mm512_mul_ps(y, pow2n))
+}
+
+/// See [`super::portable::qk`] (Q in strip-packed layout); `rows` must be a multiple of [`MR`].
+///
+/// # Safety
+/// AVX-512F must be available.
+pub(super) unsafe fn qk(
+    q: &[f32],
+    rows: usize,
+    e: usize,
+    kp: &[f32],
+    npanels: usize,
+    s: &mut [f32],
+    lds: usize,
+) {
+    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR);
+    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe { qk_impl(q.as_ptr(), rows, e, kp.as_ptr(), npanels, s.as_mut_ptr(), lds) }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_impl(
+    q: *const f32,
+    rows: usize,
+    e: usize,
+    kp: *const f32,
+    npanels: usize,
+    s: *mut f32,
+    lds: usize,
+) {
+    let nstrips = rows / MR;
+    // Panel-pair outer: two K panels (32 keys × E) stay in L1 while Q strips stream.
+    let mut p = 0;
+    while p < npanels {
+        let two = p + 1 < npanels;
+        let mut st = 0;
+        while st < nstrips {
+            let both = st + 1 < nstrips;
+            let sp = s.add(st * MR * lds + p * NR);
+            let qs = q.add(st * MR * e);
+            let kpp = kp.add(p * e * NR);
+            match (both, two) {
+                (true, true) => qk_tile::<2, 2>(qs, e, kpp, sp, lds),
+                (true, false) => qk_tile::<2, 1>(qs, e, kpp, sp, lds),
+                (false, true) => qk_tile::<1, 2>(qs, e, kpp, sp, lds),
+                (false, false) => qk_tile::<1, 1>(qs, e, kpp, sp, lds),
+            }
+            st += if both { 2 } else { 1 };
+        }
+        p += if two { 2 } else { 1 };
+    }
+}
+
+/// One `(S·MR) × (P·NR)` score tile: `S` consecutive Q strips against `P` consecutive K panels.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_tile<const S: usize, const P: usize>(
+    qs: *const f32,
+    e: usize,
+    kpp: *const f32,
+    sp: *mut f32,
+    lds: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); P]; 12];
+    let strip_len = MR * e;
+    let panel_len = e * NR;
+    for x in 0..e {
+        let mut kv = [_mm512_setzero_ps(); P];
+        for (pi, k) in kv.iter_mut().enumerate() {
+            *k = _mm512_loadu_ps(kpp.add(pi * panel_len + x * NR));
+        }
+        for si in 0..S {
+            let qx = qs.add(si * strip_len + x * MR);
+            for r in 0..MR {
+                let a = _mm512_set1_ps(*qx.add(r));
+                for pi in 0..P {
+                    acc[si * MR + r][pi] = _mm512_fmadd_ps(a, kv[pi], acc[si * MR + r][pi]);
+                }
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate().take(S * MR) {
+        for (pi, &v) in row.iter().enumerate() {
+            _mm512_storeu_ps(sp.add(r * lds + pi * NR), v);
+        }
+    }
+}
+
+/// See [`super::portable::pv`] (P row-major with row stride [`BK`]); `rows` must be a multiple of [`MR`].
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pv(
+    p: &[f32],
+    rows: usize,
+    nk: usize,
+    vp: &[f32],
+    vps: usize,
+    ldv: usize,
+    nvp: usize,
+    o: &mut [f32],
+    ldo: usize,
+    alpha: &[f32],
+) {
+    assert!(rows.is_multiple_of(MR) && BK >= nk && ldo >= nvp * NR && alpha.len() >= rows);
+    assert!(p.len() >= rows * BK);
+    assert!(nvp == 0 || nk == 0 || vp.len() >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
+    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        pv_impl(
+            p.as_ptr(),
+            rows,
+            nk,
+            vp.as_ptr(),
+            vps,
+            ldv,
+            nvp,
+            o.as_mut_ptr(),
+            ldo,
+            alpha.as_ptr(),
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_impl(
+    p: *const f32,
+    rows: usize,
+    nk: usize,
+    vp: *const f32,
+    vps: usize,
+    ldv: usize,
+    nvp: usize,
+    o: *mut f32,
+    ldo: usize,
+    alpha: *const f32,
+) {
+    let nstrips = rows / MR;
+    let mut n = 0;
+    while n < nvp {
+        let two = n + 1 < nvp;
+        let mut st = 0;
+        while st < nstrips {
+            let both = st + 1 < nstrips;
+            let r0 = st * MR;
+            let args = (p.add(r0 * BK), nk, vp.add(n * vps), vps, ldv);
+            let (op, al) = (o.add(r0 * ldo + n * NR), alpha.add(r0));
+            match (both, two) {
+                (true, true) => pv_tile::<12, 2>(args, op, ldo, al),
+                (true, false) => pv_tile::<12, 1>(args, op, ldo, al),
+                (false, true) => pv_tile::<6, 2>(args, op, ldo, al),
+                (false, false) => pv_tile::<6, 1>(args, op, ldo, al),
+            }
+            st += if both { 2 } else { 1 };
+        }
+        n += if two { 2 } else { 1 };
+    }
+}
+
+/// `(P rows, key count, V panel, V panel stride, V row stride)`.
+type PvArgs = (*const f32, usize, *const f32, usize, usize);
+
+/// One `R × (N·NR)` tile of `O = α·O + P·V`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_tile<const R: usize, const N: usize>(
+    (ps, nk, vpp, vps, ldv): PvArgs,
+    op: *mut f32,
+    ldo: usize,
+    alpha: *const f32,
+) {
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
+    for (r, row) in acc.iter_mut().enumerate() {
+        let a = _mm512_set1_ps(*alpha.add(r));
+        for (ni, v) in row.iter_mut().enumerate() {
+            *v = _mm512_mul_ps(a, _mm512_loadu_ps(op.add(r * ldo + ni * NR)));
+        }
+    }
+    for j in 0..nk {
+        let mut vv = [_mm512_setzero_ps(); N];
+        for (ni, v) in vv.iter_mut().enumerate() {
+            *v = _mm512_loadu_ps(vpp.add(ni * vps + j * ldv));
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
+            let a = _mm512_set1_ps(*ps.add(r * BK + j));
+            for ni in 0..N {
+                row[ni] = _mm512_fmadd_ps(a, vv[ni], row[ni]);
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (ni, &v) in row.iter().enumerate() {
+            _mm512_storeu_ps(op.add(r * ldo + ni * NR), v);
+        }
+    }
+}
+
+/// Lane mask of the first `n` (< 16) lanes.
+#[inline]
+fn tail_mask(n: usize) -> __mmask16 {
+    ((1u32 << n) - 1) as __mmask16
+}
+
+/// See [`super::portable::qk_dot`]: scores against row-major keys (decode path).
+/// `rows` must be a multiple of [`MR`]; any `e`. Only the first `live` rows are computed
+/// (the rest are padding and get 0).
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn qk_dot(
+    q: &[f32],
+    rows: usize,
+    live: usize,
+    e: usize,
+    k: &[f32],
+    ldk: usize,
+    nk: usize,
+    s: &mut [f32],
+    lds: usize,
+) {
+    assert!(rows.is_multiple_of(MR) && lds >= nk && q.len() >= rows * e);
+    assert!(nk == 0 || k.len() >= (nk - 1) * ldk + e);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        qk_dot_impl(
+            q.as_ptr(),
+            rows,
+            live.min(rows),
+            e,
+            k.as_ptr(),
+            ldk,
+            nk,
+            s.as_mut_ptr(),
+            lds,
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_dot_impl(
+    q: *const f32,
+    rows: usize,
+    live_rows: usize,
+    e: usize,
+    k: *const f32,
+    ldk: usize,
+    nk: usize,
+    s: *mut f32,
+    lds: usize,
+) {
+    let full = e / 16 * 16;
+    let tm = tail_mask(e - full);
+    for strip in 0..rows / MR {
+        let qs = q.add(strip * MR * e);
+        let live = live_rows.saturating_sub(strip * MR).min(MR);
+        let mut j = 0;
+        while j < nk {
+            // Four keys per pass (repeating the last key at the tail).
+            let js = [j, (j + 1).min(nk - 1), (j + 2).min(nk - 1), (j + 3).min(nk - 1)];
+            let kps = js.map(|jj| k.add(jj * ldk));
+            let mut acc = [[_mm512_setzero_ps(); 4]; MR];
+            let mut x = 0;
+            while x < full {
+                let kv = kps.map(|kp| _mm512_loadu_ps(kp.add(x)));
+                for (r, row) in acc.iter_mut().enumerate().take(live) {
+                    let a = _mm512_loadu_ps(qs.add(r * e + x));
+                    for c in 0..4 {
+                        row[c] = _mm512_fmadd_ps(a, kv[c], row[c]);
+                    }
+                }
+                x += 16;
+            }
+            if full < e {
+                let kv = kps.map(|kp| _mm512_maskz_loadu_ps(tm, kp.add(full)));
+                for (r, row) in acc.iter_mut().enumerate().take(live) {
+                    let a = _mm512_maskz_loadu_ps(tm, qs.add(r * e + full));
+                    for c in 0..4 {
+                        row[c] = _mm512_fmadd_ps(a, kv[c], row[c]);
+                    }
+                }
+            }
+            let r0 = strip * MR;
+            let cnt = (nk - j).min(4);
+            for (r, row) in acc.iter().enumerate() {
+                for (c, &v) in row.iter().enumerate().take(cnt) {
+                    *s.add((r0 + r) * lds + j + c) = _mm512_reduce_add_ps(v);
+                }
+            }
+            j += 4;
+        }
+    }
+}
+
+/// Row maximum (-inf for empty / all -inf rows).
+#[target_feature(enable = "avx512f")]
+unsafe fn row_max_impl(x: &[f32]) -> f32 {
+    let n = x.len();
+    let ptr = x.as_ptr();
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut m0 = ninf;
+    let mut m1 = ninf;
+    let mut j = 0;
+    while j + 32 <= n {
+        m0 = _mm512_max_ps(m0, _mm512_loadu_ps(ptr.add(j)));
+        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(ptr.add(j + 16)));
+        j += 32;
+    }
+    while j < n {
+        let t = (n - j).min(16);
+        let v = _mm512_mask_loadu_ps(ninf, tail_mask_full(t), ptr.add(j));
+        m0 = _mm512_max_ps(m0, v);
+        j += t;
+    }
+    _mm512_reduce_max_ps(_mm512_max_ps(m0, m1))
+}
+
+/// Lane mask of the first `n` (1..=16) lanes.
+#[inline]
+fn tail_mask_full(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xffff
+    } else {
+        tail_mask(n)
+    }
+}
+
+/// `x[j] = 2^(x[j] - m)`; returns the sum.
+#[target_feature(enable = "avx512f")]
+unsafe fn exp2_sub_sum_impl(x: &mut [f32], m: f32) -> f32 {
+    let n = x.len();
+    let ptr = x.as_mut_ptr();
+    let mv = _mm512_set1_ps(m);
+    let mut s0 = _mm512_setzero_ps();
+    let mut s1 = _mm512_setzero_ps();
+    let mut j = 0;
+    while j + 32 <= n {
+        let a = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(ptr.add(j)), mv));
+        let b = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(ptr.add(j + 16)), mv));
+        _mm512_storeu_ps(ptr.add(j), a);
+        _mm512_storeu_ps(ptr.add(j + 16), b);
+        s0 = _mm512_add_ps(s0, a);
+        s1 = _mm512_add_ps(s1, b);
+        j += 32;
+    }
+    while j < n {
+        let t = (n - j).min(16);
+        let tm = tail_mask_full(t);
+        let v = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), tm, ptr.add(j));
+        let a = exp2_512(_mm512_sub_ps(v, mv));
+        _mm512_mask_storeu_ps(ptr.add(j), tm, a);
+        s0 = _mm512_add_ps(s0, a);
+        j += t;
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))
+}
+
+/// One online-softmax row update; see `avx2::online_row`.
+///
+/// # Safety
+/// AVX-512F must be available.
+pub(super) unsafe fn online_row(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
+    // SAFETY: features guaranteed by the caller; all accesses are in bounds of `x`.
+    unsafe { online_row_impl(x, m_old) }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn online_row_impl(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
+    let bm = row_max_impl(x);
+    let m_new = if bm > m_old { bm } else { m_old };
+    if m_new == f32::NEG_INFINITY {
+        return (m_new, 1.0, 0.0);
+    }
+    let alpha = if m_old == m_new {
+        1.0
+    } else {
+        _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)))
+    };
+    (m_new, alpha, exp2_sub_sum_impl(x, m_new))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp2_512_accuracy() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("note: no AVX-512F on this machine; exp2_512 not exercised");
+            return;
+        }
+        let mut worst = 0f64;
+        let mut x = -125.0f32;
+        while x < 125.0 {
+            let xs: [f32; 16] = std::array::from_fn(|i| x + i as f32 / 16.0);
+            let mut out = [0f32; 16];
+            // SAFETY: AVX-512F detected above; arrays hold 16 lanes.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), exp2_512(_mm512_loadu_ps(xs.as_ptr()))) };
+            for (a, o) in xs.iter().zip(out) {
+                let r = (*a as f64).exp2();
+                worst = worst.max(((o as f64) - r).abs() / r);
+            }
+            x += 1.0;
+        }
+        assert!(worst < 3e-7, "worst rel err {worst}");
+        let mut special = [0f32; 16];
+        special[..8].copy_from_slice(&[f32::NEG_INFINITY, -1e30, -127.0, -200.0, 0.0, f32::NAN, -0.0, 1.0]);
+        let mut out = [0f32; 16];
+        // SAFETY: as above.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), exp2_512(_mm512_loadu_ps(special.as_ptr()))) };
+        assert_eq!(&out[..8], &[0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 2.0]);
+    }
+}

@@ -1,0 +1,24 @@
+//! The AVX2+FMA kernel, forced with `CANDLE_ATTENTION_ISA=avx2`, agrees with the reference
+//! path, so it stays covered on machines that would pick AVX-512. (A separate test binary,
+//! so the variable affects nothing else.)
+#[path = "shared/kernel_cases.rs"]
+mod kernel_cases;
+
+#[test]
+fn avx2_kernel_matches_reference_on_randomised_shapes() -> candle_core::Result<()> {
+    use candle_attention::kernels::cpu::Isa;
+    std::env::set_var("CANDLE_ATTENTION_ISA", "avx2");
+    if !Isa::Avx2Fma.is_supported() {
+        // The override falls back to detection; say so instead of passing silently.
+        eprintln!(
+            "note: no AVX2+FMA here; the forced run covers {}",
+            candle_attention::cpu_kernel_isa()
+        );
+        assert_ne!(candle_attention::cpu_kernel_isa(), "avx2+fma");
+        return Ok(());
+    }
+    assert_eq!(candle_attention::cpu_kernel_isa(), "avx2+fma");
+    let n = kernel_cases::fused_matches_reference(3)?;
+    assert!(n > 1000, "only {n} comparisons");
+    Ok(())
+}
