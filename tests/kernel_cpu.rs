@@ -499,3 +499,77 @@ fn isa_name() {
     let name = candle_attention::kernels::cpu::isa();
     assert!(["avx512", "avx2+fma", "neon", "portable"].contains(&name));
 }
+
+/// The AMX path (bf16/f16 inputs on a machine with AMX) is as accurate as f32 math on the
+/// same inputs: after rounding to the input dtype, the two differ by at most one unit in
+/// the last place, up to f32 rounding noise. This is much tighter than the dtype tolerance, so it catches a
+/// dropped component term (e.g. the low half of an f16 value). Covers the packed prefill
+/// path (long L), the streamed path (one row block per group), causal edges, a mask,
+/// GQA and head dims that are not multiples of 32.
+#[test]
+fn amx_precision_matches_f32_math() -> Result<()> {
+    if !candle_attention::kernels::cpu::amx_enabled() {
+        eprintln!("note: AMX not available here; this compares the AVX-512/AVX2 path instead");
+    }
+    let mut rng = Rng(0x05ee_da11);
+    let dev = Device::Cpu;
+    // (b, hq, hkv, l, s, e, ev, causal, masked)
+    let shapes = [
+        (1, 2, 2, 300, 300, 64, 64, false, false),
+        (1, 4, 2, 200, 333, 40, 72, true, false),
+        (2, 3, 1, 90, 130, 128, 128, false, true),
+        (1, 2, 2, 1000, 1000, 16, 48, true, true),
+    ];
+    for (b, hq, hkv, l, s, e, ev, causal, masked) in shapes {
+        let mk = |n: &[usize], amp: f32, rng: &mut Rng| -> Result<Tensor> {
+            let len = n.iter().product();
+            Tensor::from_vec(rng.vec(len, amp), n, &dev)
+        };
+        let q = mk(&[b, hq, l, e], 2.0, &mut rng)?;
+        let k = mk(&[b, hkv, s, e], 2.0, &mut rng)?;
+        let v = mk(&[b, hkv, s, ev], 1.5, &mut rng)?;
+        let mask = if masked {
+            let m: Vec<f32> = (0..b * l * s)
+                .map(|_| {
+                    if rng.uniform() < 0.3 {
+                        f32::NEG_INFINITY
+                    } else {
+                        rng.uniform() - 0.5
+                    }
+                })
+                .collect();
+            Some(Tensor::from_vec(m, (b, 1, l, s), &dev)?)
+        } else {
+            None
+        };
+        let c = causal.then_some(Causal {
+            offset: s as isize - l as isize,
+            window: None,
+        });
+        for (dt, ulp) in [(DType::F16, 2f32.powi(-10)), (DType::BF16, 2f32.powi(-7))] {
+            let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+            let ours = sdpa(&q, &k, &v, mask.as_ref(), c, 0.125)?.to_dtype(DType::F32)?;
+            let f32_math = sdpa(
+                &q.to_dtype(DType::F32)?,
+                &k.to_dtype(DType::F32)?,
+                &v.to_dtype(DType::F32)?,
+                mask.as_ref(),
+                c,
+                0.125,
+            )?;
+            let rounded = f32_math.to_dtype(dt)?.to_dtype(DType::F32)?;
+            // |ours − rounded| ≤ one ulp of the f32 result, plus 2e-5 ≈ 2⁻¹⁶ · max|v| for
+            // the f32 rounding of either path (dropping a component costs ~2⁻⁹ · |v|).
+            let bound = ((f32_math.abs()? * ulp as f64)? + 2e-5)?;
+            let excess = ((ours - &rounded)?.abs()? - bound)?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(
+                excess <= 0.0,
+                "{dt:?} b{b} hq{hq} hkv{hkv} l{l} s{s} e{e} ev{ev} causal={causal} masked={masked}: off by more than 1 ulp ({excess})"
+            );
+        }
+    }
+    Ok(())
+}

@@ -9,31 +9,28 @@
 use super::pack::{BK, MR, NR};
 use std::arch::x86_64::*;
 
-/// 16-lane `2^x` (see `exp::avx2::exp2_256`: same split, same polynomial). Inputs below
-/// -126 (including -inf) give exactly 0, NaN gives 0.
+/// 16-lane `2^x`: `x = n + f` (`n = round(x)`, `|f| ≤ 1/2`), a degree-5 polynomial
+/// for `2^f` (fitted for relative error with `2^0 = 1` exact; < 1.8e-7 evaluated in f32) and `vscalefps` for
+/// the `2^n` factor. Inputs below -126 (including -inf) give exactly 0, NaN gives 0.
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
 #[inline]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::approx_constant)] // 0.693147 is a fitted coefficient, not ln 2.
 pub(crate) unsafe fn exp2_512(x: __m512) -> __m512 {
     let lo = _mm512_set1_ps(-126.0);
     let valid = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lo);
-    let xc = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(127.0)), lo);
+    let xc = _mm512_max_ps(x, lo);
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
     let f = _mm512_sub_ps(xc, n);
-    let mut y = _mm512_set1_ps(1.540_353_e-4);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.333_355_8e-3));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.618_129e-3));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550_411e-2));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.240_226_5));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(std::f32::consts::LN_2));
+    let mut y = _mm512_set1_ps(1.326_467_1e-3);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.671_5e-3));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550_733_6e-2));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.240_222_42));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.693_147));
     y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0));
-    let pow2n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
-        _mm512_cvtps_epi32(n),
-        _mm512_set1_epi32(127),
-    )));
-    _mm512_maskz_mov_ps(valid, _mm512_mul_ps(y, pow2n))
+    _mm512_maskz_scalef_ps(valid, y, n)
 }
 
 /// See [`super::portable::qk`] (Q in strip-packed layout); `rows` must be a multiple of [`MR`].
@@ -420,6 +417,94 @@ unsafe fn online_row_impl(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
         _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)))
     };
     (m_new, alpha, exp2_sub_sum_impl(x, m_new))
+}
+
+/// Lane masks of the 64 keys of a block visible in `[a, z)` (`a ≤ z ≤ 64`), 16 per register.
+#[inline]
+fn visible_masks(a: usize, z: usize) -> [__mmask16; 4] {
+    let upto = |n: usize| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+    let vm = upto(z) & !upto(a);
+    std::array::from_fn(|i| (vm >> (16 * i)) as __mmask16)
+}
+
+/// Fused online-softmax update of one [`BK`] = 64-key score row for the AMX path, all in
+/// registers: `y = c·x` on the visible keys `[a, z)`, `m_new = max(m_old, max y)`,
+/// `p = 2^(y − m_new)` (0 outside `[a, z)`), stored as bf16 components `hi = bf16(p)`
+/// and `lo = bf16(p − hi)` (64 each). Returns `(m_new, alpha = 2^(m_old − m_new), Σ p)`;
+/// when `m_new` is -inf, `hi` and `lo` are zero and `(−inf, 1, 0)` is returned.
+///
+/// # Safety
+/// AVX-512F and AVX512-BF16 must be available; `x` holds 64 floats, `hi` and `lo` 64
+/// elements each; `a ≤ z ≤ 64`.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn softmax_row_bf16(
+    x: *const f32,
+    (a, z): (usize, usize),
+    c: f32,
+    m_old: f32,
+    hi: *mut u16,
+    lo: *mut u16,
+) -> (f32, f32, f32) {
+    let ks = visible_masks(a, z);
+    let cv = _mm512_set1_ps(c);
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let y: [__m512; 4] =
+        std::array::from_fn(|i| _mm512_mask_mul_ps(ninf, ks[i], _mm512_loadu_ps(x.add(16 * i)), cv));
+    let bm = _mm512_reduce_max_ps(_mm512_max_ps(
+        _mm512_max_ps(y[0], y[1]),
+        _mm512_max_ps(y[2], y[3]),
+    ));
+    let m_new = if bm > m_old { bm } else { m_old };
+    if m_new == f32::NEG_INFINITY {
+        std::ptr::write_bytes(hi, 0, 64);
+        std::ptr::write_bytes(lo, 0, 64);
+        return (m_new, 1.0, 0.0);
+    }
+    let mv = _mm512_set1_ps(m_new);
+    let e: [__m512; 4] = std::array::from_fn(|i| exp2_512(_mm512_sub_ps(y[i], mv)));
+    let sum = _mm512_reduce_add_ps(_mm512_add_ps(
+        _mm512_add_ps(e[0], e[1]),
+        _mm512_add_ps(e[2], e[3]),
+    ));
+    for (i, &ei) in e.iter().enumerate() {
+        let h = _mm512_cvtneps_pbh(ei);
+        let l = _mm512_cvtneps_pbh(_mm512_sub_ps(ei, _mm512_cvtpbh_ps(h)));
+        _mm256_storeu_si256(
+            hi.add(16 * i) as *mut __m256i,
+            std::mem::transmute::<__m256bh, __m256i>(h),
+        );
+        _mm256_storeu_si256(
+            lo.add(16 * i) as *mut __m256i,
+            std::mem::transmute::<__m256bh, __m256i>(l),
+        );
+    }
+    let alpha = if m_old == m_new {
+        1.0
+    } else {
+        _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)))
+    };
+    (m_new, alpha, sum)
+}
+
+/// `dst[x] = bf16(src[x])`, rounding to nearest even (as `half::bf16::from_f32`).
+///
+/// # Safety
+/// AVX-512F and AVX512-BF16 must be available.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn store_bf16(dst: &mut [half::bf16], src: &[f32]) {
+    let n = dst.len().min(src.len());
+    let mut x = 0;
+    while x + 16 <= n {
+        let h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src.as_ptr().add(x)));
+        _mm256_storeu_si256(
+            dst.as_mut_ptr().add(x) as *mut __m256i,
+            std::mem::transmute::<__m256bh, __m256i>(h),
+        );
+        x += 16;
+    }
+    for (d, &v) in dst[x..n].iter_mut().zip(&src[x..n]) {
+        *d = half::bf16::from_f32(v);
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,8 @@ use super::exp::exp2_scalar;
 use super::pack::{
     k_block_len, pack_k, pack_v, v_block_len, AlignedBuf, MaskView, OutElem, View, BK, MR, NR,
 };
+#[cfg(target_arch = "x86_64")]
+use super::{amx, avx512};
 use super::{Causal, Isa};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -40,6 +42,10 @@ pub(crate) struct Problem<'a> {
     pub ev: usize,
     /// Bytes of K/V pack kept alive at once ([`PACK_BUDGET_BYTES`]; tests shrink it).
     pub pack_budget: usize,
+    /// Run the block products on AMX tiles with this component plan (bf16/f16 inputs on
+    /// a machine with AMX); `None` runs them on `isa`.
+    #[cfg(target_arch = "x86_64")]
+    pub amx: Option<amx::Plan>,
 }
 
 impl Problem<'_> {
@@ -93,6 +99,22 @@ enum KvSrc<'a> {
     Stream,
     /// Row-major rows straight from the source (decode path).
     Rows,
+    /// The group's pre-packed AMX operands (`[kb][K block | V block]`, bf16 bits).
+    #[cfg(target_arch = "x86_64")]
+    PackedAmx(&'a [u16]),
+}
+
+/// Runs one block on the AMX path where the problem asks for it, else on `p.isa`.
+fn run_block(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mut Scratch) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(plan) = p.amx {
+        match src {
+            KvSrc::PackedAmx(grp) => return process_amx(p, plan, blk, ks0, ks1, Some(grp), sc),
+            KvSrc::Stream => return process_amx(p, plan, blk, ks0, ks1, None, sc),
+            _ => {}
+        }
+    }
+    process(p, blk, ks0, ks1, src, sc)
 }
 
 /// Per-thread scratch buffers, reused across work items.
@@ -113,6 +135,21 @@ struct Scratch {
     ii: Vec<usize>,
     tmp: Vec<f32>,
     row: Vec<f32>,
+    /// AMX operands (bf16 bits), sized on first use: Q components, P components, one
+    /// K and one V block, and the row staging of the packers.
+    #[cfg(target_arch = "x86_64")]
+    amx_bufs: AmxBufs,
+}
+
+/// Scratch of the AMX path (empty until used).
+#[cfg(target_arch = "x86_64")]
+#[derive(Default)]
+struct AmxBufs {
+    qa: Vec<u16>,
+    pa: Vec<u16>,
+    ka: Vec<u16>,
+    va: Vec<u16>,
+    rows: Vec<u16>,
 }
 
 thread_local! {
@@ -160,6 +197,8 @@ impl Scratch {
             ii: vec![0; rp],
             tmp: vec![0.0; NR * e.max(evp)],
             row: vec![0.0; evp],
+            #[cfg(target_arch = "x86_64")]
+            amx_bufs: AmxBufs::default(),
         }
     }
 }
@@ -310,7 +349,7 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
             run_dynamic(items.len(), e, ev, |i, sc| {
                 let it = items[i];
                 let blk = blocks[it.blk];
-                process(p, &blk, it.ks0, it.ks1, src, sc);
+                run_block(p, &blk, it.ks0, it.ks1, src, sc);
                 if let Some(dst) = lock(&slots[it.blk]).take() {
                     finish(p, blk.n, sc, dst);
                 }
@@ -320,7 +359,7 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
             run_dynamic(items.len(), e, ev, |i, sc| {
                 let it = items[i];
                 let blk = blocks[it.blk];
-                process(p, &blk, it.ks0, it.ks1, src, sc);
+                run_block(p, &blk, it.ks0, it.ks1, src, sc);
                 *lock(&partials[i]) = Some(Partial::from_scratch(p, blk.n, sc));
             });
             let mut per_block: Vec<Vec<Partial>> = blocks.iter().map(|_| Vec::new()).collect();
@@ -339,6 +378,12 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
                     }
                 });
         }
+        return out;
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    if let Some(plan) = p.amx {
+        prefill_amx(p, plan, &blocks, &slots, nbg_of(&gblocks), &cost);
         return out;
     }
 
@@ -394,6 +439,273 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
         g0 += gn;
     }
     out
+}
+
+fn nbg_of(gblocks: &[(usize, usize)]) -> usize {
+    gblocks.len()
+}
+
+/// The prefill path on AMX: as the f32 prefill path, with bf16 VNNI packs.
+#[cfg(target_arch = "x86_64")]
+fn prefill_amx<T: OutElem>(
+    p: &Problem,
+    plan: amx::Plan,
+    blocks: &[Block],
+    slots: &[Mutex<Option<&mut [T]>>],
+    nbg: usize,
+    cost: &(dyn Fn(&Block, usize, usize) -> usize + Sync),
+) {
+    let (hkv, s, e, ev) = (p.hkv, p.s, p.e, p.ev);
+    let ngroups = p.b * hkv;
+    let kbn = s.div_ceil(BK);
+    let kbl = amx::k_len(e, plan.comps);
+    let vbl = amx::v_len(ev, plan.comps);
+    let blk_len = kbl + vbl;
+    let group_len = kbn * blk_len;
+    let cg = (p.pack_budget / (group_len * 2).max(1)).clamp(1, ngroups);
+    let mut pack = vec![0u16; cg * group_len];
+    let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
+    let mut g0 = 0;
+    while g0 < ngroups {
+        let gn = cg.min(ngroups - g0);
+        pack[..gn * group_len]
+            .par_chunks_mut(blk_len)
+            .enumerate()
+            .for_each_init(
+                || (vec![0f32; e.max(ev)], vec![0u16; stage]),
+                |(tmp, rows), (idx, chunk)| {
+                    let gi = g0 + idx / kbn;
+                    let kb = idx % kbn;
+                    let (bb, kvh) = (gi / hkv, gi % hkv);
+                    let j0 = kb * BK;
+                    let nk = BK.min(s - j0);
+                    let (kc, vc) = chunk.split_at_mut(kbl);
+                    // SAFETY: `p.amx` is only set after `amx::available()`.
+                    unsafe {
+                        amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
+                        amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
+                    }
+                },
+            );
+        let mut items: Vec<Item> = (g0 * nbg..(g0 + gn) * nbg)
+            .map(|bi| Item {
+                blk: bi,
+                ks0: 0,
+                ks1: s,
+                cost: cost(&blocks[bi], 0, s),
+            })
+            .collect();
+        items.sort_by_key(|it| std::cmp::Reverse(it.cost));
+        let packed = &pack[..];
+        run_dynamic(items.len(), e, ev, |i, sc| {
+            let it = items[i];
+            let blk = blocks[it.blk];
+            let gl = blk.g - g0;
+            let grp = &packed[gl * group_len..(gl + 1) * group_len];
+            run_block(p, &blk, 0, s, KvSrc::PackedAmx(grp), sc);
+            if let Some(dst) = lock(&slots[it.blk]).take() {
+                finish(p, blk.n, sc, dst);
+            }
+        });
+        g0 += gn;
+    }
+}
+
+/// [`process`] with both block products on AMX tiles (see `amx`): leaves the same
+/// unnormalised `o`, `m` (log2 domain) and `l` in the scratch.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn process_amx(
+    p: &Problem,
+    plan: amx::Plan,
+    blk: &Block,
+    ks0: usize,
+    ks1: usize,
+    packed: Option<&[u16]>,
+    sc: &mut Scratch,
+) {
+    use amx::TM;
+    let (l, s, e, ev) = (p.l, p.s, p.e, p.ev);
+    let g_sz = p.group();
+    let (bb, kvh) = (blk.g / p.hkv, blk.g % p.hkv);
+    let n = blk.n;
+    let rtiles = n.div_ceil(TM);
+    let rows = rtiles * TM;
+    let ep = amx::e_pad(e);
+    let evp = ev.div_ceil(NR) * NR;
+    let nvp = evp / NR;
+    let comps = plan.comps;
+    let (kbl, vbl) = (amx::k_len(e, comps), amx::v_len(ev, comps));
+    let (kcs, vcs) = (kbl / comps, vbl / comps);
+    let c = p.scale * LOG2_E;
+
+    let Scratch {
+        s: sbuf,
+        o,
+        m,
+        l: lsum,
+        alpha,
+        lo,
+        hi,
+        hh,
+        ii,
+        tmp,
+        amx_bufs: ab,
+        ..
+    } = sc;
+    let qcs = rows * ep;
+    let pcs = rows * BK;
+    let grow = |v: &mut Vec<u16>, n: usize| {
+        if v.len() < n {
+            v.resize(n, 0);
+        }
+    };
+    grow(&mut ab.qa, comps * BQ * ep);
+    grow(&mut ab.pa, 2 * BQ * BK);
+    ab.qa[..comps * qcs].fill(0);
+    ab.pa[..2 * pcs].fill(0);
+    if packed.is_none() {
+        grow(&mut ab.ka, kbl);
+        grow(&mut ab.va, vbl);
+        grow(&mut ab.rows, comps * BK * ep.max(evp));
+    }
+
+    let (mut lo_min, mut hi_max) = (usize::MAX, 0usize);
+    let (mut max_lo, mut min_hi) = (0usize, usize::MAX);
+    for r in 0..n {
+        let (hl, i) = ((blk.r0 + r) / l, (blk.r0 + r) % l);
+        let h = kvh * g_sz + hl;
+        hh[r] = h;
+        ii[r] = i;
+        let off = p.q.row_offset(bb, h, i);
+        let qrow = &mut tmp[..e];
+        p.q.read_row(off, qrow, 1.0);
+        let qa = ab.qa.as_mut_ptr();
+        // SAFETY: `p.amx` is only set after `amx::available()`; row `r` of each
+        // component holds `ep` elements of `ab.qa`.
+        unsafe {
+            amx::split(
+                qrow,
+                ep,
+                qa.add(r * ep),
+                (comps > 1).then(|| qa.add(qcs + r * ep)),
+            );
+        }
+        let (a, z) = p.row_range(i);
+        lo[r] = a;
+        hi[r] = z;
+        if a < z {
+            lo_min = lo_min.min(a);
+            hi_max = hi_max.max(z);
+        }
+        max_lo = max_lo.max(a);
+        min_hi = min_hi.min(z);
+    }
+    o.as_mut_slice()[..rows * evp].fill(0.0);
+    m[..rows].fill(f32::NEG_INFINITY);
+    lsum[..rows].fill(0.0);
+    alpha[..rows].fill(1.0);
+
+    let klo = lo_min.max(ks0);
+    let khi = hi_max.min(ks1).min(s);
+    if klo >= khi {
+        return;
+    }
+    // SAFETY: as above.
+    unsafe { amx::configure() };
+    for kb in klo / BK..khi.div_ceil(BK) {
+        let j0 = kb * BK;
+        let nk = BK.min(s - j0);
+        let (kbp, vbp): (*const u16, *const u16) = match packed {
+            Some(grp) => {
+                let base = kb * (kbl + vbl);
+                (grp[base..].as_ptr(), grp[base + kbl..base + kbl + vbl].as_ptr())
+            }
+            None => {
+                // SAFETY: as above; the buffers were sized for one block.
+                unsafe {
+                    amx::pack_k(&p.k, bb, kvh, j0, nk, e, comps, &mut ab.ka, &mut ab.rows, tmp);
+                    amx::pack_v(&p.v, bb, kvh, j0, nk, ev, comps, &mut ab.va, &mut ab.rows, tmp);
+                }
+                (ab.ka.as_ptr(), ab.va.as_ptr())
+            }
+        };
+        let sb = sbuf.as_mut_slice();
+        // SAFETY: `configure` ran on this thread; Q holds `rtiles` tiles of every
+        // component, the K block `kbl` elements, the score buffer `rows × BK` floats.
+        unsafe {
+            amx::qk(
+                ab.qa.as_ptr(),
+                qcs,
+                rtiles,
+                e,
+                kbp,
+                kcs,
+                plan.qk,
+                sb.as_mut_ptr(),
+                BK,
+            )
+        };
+        let need_causal = p.causal.is_some() && !(max_lo <= j0 && min_hi >= j0 + nk);
+        let ov = o.as_mut_slice();
+        let pa = ab.pa.as_mut_ptr();
+        for r in 0..n {
+            let row = &mut sb[r * BK..(r + 1) * BK];
+            let (a, z) = if need_causal {
+                let z = hi[r].saturating_sub(j0).min(nk);
+                (lo[r].saturating_sub(j0).min(z), z)
+            } else {
+                (0, nk)
+            };
+            let mut cr = c;
+            if let Some(mk) = &p.mask {
+                for x in &mut row[a..z] {
+                    *x *= c;
+                }
+                mk.add_row(bb, hh[r], ii[r], j0 + a, &mut row[a..z], LOG2_E);
+                cr = 1.0;
+            }
+            // SAFETY: `p.amx` is only set after `amx::available()` (which includes
+            // AVX-512F and AVX512-BF16); the row holds `BK` floats and row `r` of both P
+            // components `BK` elements of `ab.pa`.
+            let (m_new, al, sum) = unsafe {
+                avx512::softmax_row_bf16(
+                    row.as_ptr(),
+                    (a, z),
+                    cr,
+                    m[r],
+                    pa.add(r * BK),
+                    pa.add(pcs + r * BK),
+                )
+            };
+            if m_new != f32::NEG_INFINITY {
+                lsum[r] = lsum[r] * al + sum;
+                m[r] = m_new;
+                if al != 1.0 {
+                    for x in &mut ov[r * evp..(r + 1) * evp] {
+                        *x *= al;
+                    }
+                }
+            }
+        }
+        // SAFETY: as for `qk`; P holds `rtiles` tiles of both components, the V block
+        // `vbl` elements, O `rows × evp` floats.
+        unsafe {
+            amx::pv(
+                ab.pa.as_ptr(),
+                pcs,
+                rtiles,
+                vbp,
+                vcs,
+                nvp,
+                plan.pv,
+                ov.as_mut_ptr(),
+                evp,
+            )
+        };
+    }
+    // SAFETY: as above.
+    unsafe { amx::release() };
 }
 
 /// Unnormalised partial result of one split-K item.
@@ -585,6 +897,15 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 let base = kb * (kbl + vbl);
                 qk(&grp[base..base + kbl], sb);
                 (&grp[base + kbl..base + kbl + vbl], BK * NR, NR)
+            }
+            // (`PackedAmx` only reaches here through a bug in `run_block`; packing the
+            // f32 block on the fly is still correct.)
+            #[cfg(target_arch = "x86_64")]
+            KvSrc::PackedAmx(_) => {
+                pack_k(&p.k, bb, kvh, j0, nk, e, kp.as_mut_slice(), tmp);
+                pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vp.as_mut_slice(), tmp);
+                qk(kp.as_slice(), sb);
+                (vp.as_slice(), BK * NR, NR)
             }
             KvSrc::Stream => {
                 pack_k(&p.k, bb, kvh, j0, nk, e, kp.as_mut_slice(), tmp);

@@ -28,9 +28,11 @@
 use candle::{CpuStorage, DType, Layout, Result, Storage, Tensor};
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
-mod avx512;
+pub(crate) mod avx512;
 mod decode;
 mod driver;
 mod exp;
@@ -397,12 +399,43 @@ fn sdpa_impl(
         e,
         ev,
         pack_budget,
+        #[cfg(target_arch = "x86_64")]
+        amx: amx_plan(dtype, isa),
     };
     let dev = q.device();
     match dtype {
         DType::F32 => Tensor::from_vec(driver::run::<f32>(&p), out_shape, dev),
         DType::F16 => Tensor::from_vec(driver::run::<half::f16>(&p), out_shape, dev),
         _ => Tensor::from_vec(driver::run::<half::bf16>(&p), out_shape, dev),
+    }
+}
+
+/// Whether the AMX tile unit can run bf16/f16 inputs here: AMX is available, the
+/// instruction set is AVX-512 (the softmax and conversions use it) and
+/// `CANDLE_ATTENTION_AMX=0` is not set (read per call).
+pub fn amx_enabled() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        amx_plan(DType::BF16, Isa::selected()).is_some()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn amx_plan(dtype: DType, isa: Isa) -> Option<amx::Plan> {
+    if isa != Isa::Avx512
+        || std::env::var("CANDLE_ATTENTION_AMX").is_ok_and(|v| v == "0")
+        || !amx::available()
+    {
+        return None;
+    }
+    match dtype {
+        DType::BF16 => Some(amx::PLAN_BF16),
+        DType::F16 => Some(amx::PLAN_F16),
+        _ => None,
     }
 }
 

@@ -272,6 +272,12 @@ impl OutElem for f16 {
 impl OutElem for bf16 {
     #[inline]
     fn store(dst: &mut [bf16], src: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+        {
+            // SAFETY: both features were detected just above.
+            return unsafe { super::avx512::store_bf16(dst, src) };
+        }
         dst.convert_from_f32_slice(src);
     }
 }

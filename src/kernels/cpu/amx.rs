@@ -1,0 +1,443 @@
+//! Intel AMX (`TDPBF16PS`) block products for bf16 and f16 inputs.
+//!
+//! Both block products run on the tile unit with f32 accumulation; the softmax stays in
+//! f32 on AVX-512. Inputs are split into bf16 *components* whose sum is the input:
+//! * bf16 q, k, v are one component each (exact);
+//! * f16 q, k, v are `hi + lo` (`hi = bf16(x)`, `lo = bf16(x − hi)`), which is exact,
+//!   since f16 has 11 significant bits and bf16 8;
+//! * the f32 probabilities P are `hi + lo` (16 significant bits: a relative error of at
+//!   most 2⁻¹⁷ per probability, far below the bf16/f16 output rounding).
+//!
+//! A product of two components is exact in f32. `Q·Kᵀ` is exact for bf16 (1 product);
+//! for f16 it sums `hi·hi + hi·lo + lo·hi` and drops only `lo·lo`, at most 2⁻¹⁸ of
+//! `|q|·|k|` per term. `P·V` likewise drops only `lo·lo` (2 products for bf16, 3 for f16).
+//! `tests/kernel_cpu.rs` checks that the result is within one output ulp of f32 math.
+//!
+//! Layouts (`u16` bf16 bits; a tile is 16 rows × 64 bytes = 512 elements):
+//! * A operands (Q, P): row-major, per component, rows padded to 16 and the contraction
+//!   to 32 with zeros; a tile is 16 rows × 32 elements at the row stride.
+//! * B operands (K, V), packed per block of [`BK`] keys and per component, as `VNNI`
+//!   tiles: row `r` of a tile holds, for each of its 16 output columns, the contraction
+//!   pair `(2r, 2r + 1)`. K: `[panel of 16 keys][E/32 tiles]`; V: `[panel of 16 value
+//!   columns][BK/32 tiles]`.
+//!
+//! Everything here needs AMX-BF16 and AVX-512 (F, BF16) and, on Linux, the kernel's
+//! permission to use the tile data ([`available`] asks for it once per process).
+
+use super::pack::{View, BK, NR};
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+/// Rows of a tile.
+pub(crate) const TM: usize = 16;
+/// bf16 elements of a tile row (64 bytes).
+pub(crate) const TK: usize = 32;
+/// Elements of one tile.
+const TILE: usize = TM * TK;
+
+/// Component pairs `(a, b)` summed by a block product.
+pub(crate) type Terms = &'static [(usize, usize)];
+
+/// How an input dtype is split into bf16 components.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// Components of q, k and v (1 for bf16, 2 for f16).
+    pub comps: usize,
+    /// `(q, k)` component pairs of `Q·Kᵀ`.
+    pub qk: Terms,
+    /// `(p, v)` component pairs of `P·V` (P always has 2 components).
+    pub pv: Terms,
+}
+
+/// bf16 inputs: exact single components.
+pub(crate) const PLAN_BF16: Plan = Plan {
+    comps: 1,
+    qk: &[(0, 0)],
+    pv: &[(0, 0), (1, 0)],
+};
+/// f16 inputs: `hi + lo` components.
+pub(crate) const PLAN_F16: Plan = Plan {
+    comps: 2,
+    qk: &[(0, 0), (0, 1), (1, 0)],
+    pv: &[(0, 0), (0, 1), (1, 0)],
+};
+
+/// Whether this process can run the AMX kernel: the CPU reports AMX-TILE, AMX-BF16,
+/// AVX-512F and AVX512-BF16, and (Linux) the kernel granted the tile-data permission.
+pub(crate) fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")) {
+            return false;
+        }
+        // CPUID.(EAX=7, ECX=0):EDX bit 22 = AMX-BF16, bit 24 = AMX-TILE.
+        // CPUID leaf 7 exists on every CPU with AVX-512.
+        let edx = __cpuid_count(7, 0).edx;
+        if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+            return false;
+        }
+        request_permission()
+    })
+}
+
+/// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: Linux only lets a process use
+/// the tile data registers after asking. Returns whether it was granted.
+#[cfg(target_os = "linux")]
+fn request_permission() -> bool {
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: a plain system call with two integer arguments; it touches no memory of ours.
+    unsafe {
+        asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret == 0
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_permission() -> bool {
+    false
+}
+
+/// Padded contraction length of Q·Kᵀ.
+#[inline]
+pub(crate) fn e_pad(e: usize) -> usize {
+    e.div_ceil(TK) * TK
+}
+
+/// `u16` elements of one packed K block (all components).
+pub(crate) fn k_len(e: usize, comps: usize) -> usize {
+    comps * (BK / NR) * e_pad(e) / TK * TILE
+}
+
+/// `u16` elements of one packed V block (all components).
+pub(crate) fn v_len(ev: usize, comps: usize) -> usize {
+    comps * ev.div_ceil(NR) * (BK / TK) * TILE
+}
+
+/// Loads the tile configuration: palette 1, all eight tiles 16 rows × 64 bytes.
+///
+/// # Safety
+/// [`available`] must have returned true.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn configure() {
+    #[repr(C, align(64))]
+    struct TileCfg([u8; 64]);
+    let mut cfg = TileCfg([0; 64]);
+    cfg.0[0] = 1;
+    for t in 0..8 {
+        cfg.0[16 + 2 * t] = 64;
+        cfg.0[48 + t] = TM as u8;
+    }
+    asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+}
+
+/// Releases the tile state (so context switches stop saving it).
+///
+/// # Safety
+/// [`available`] must have returned true.
+pub(crate) unsafe fn release() {
+    asm!("tilerelease", options(nostack, nomem));
+}
+
+/// Splits 16-lane groups of `src` into bf16 components: `hi[x] = bf16(src[x])` and, with
+/// `lo`, `lo[x] = bf16(src[x] − hi[x])`. Writes `dst_len` (≥ `src.len()`, a multiple of
+/// 16) elements, zero past `src.len()`.
+///
+/// # Safety
+/// AVX-512F and AVX512-BF16 must be available; `hi` (and `lo`) hold `dst_len` elements.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn split(src: &[f32], dst_len: usize, hi: *mut u16, lo: Option<*mut u16>) {
+    let n = src.len();
+    let mut x = 0;
+    while x < dst_len {
+        let v = if x + 16 <= n {
+            _mm512_loadu_ps(src.as_ptr().add(x))
+        } else if x < n {
+            _mm512_maskz_loadu_ps(((1u32 << (n - x)) - 1) as __mmask16, src.as_ptr().add(x))
+        } else {
+            _mm512_setzero_ps()
+        };
+        let h = _mm512_cvtneps_pbh(v);
+        _mm256_storeu_si256(
+            hi.add(x) as *mut __m256i,
+            std::mem::transmute::<__m256bh, __m256i>(h),
+        );
+        if let Some(lo) = lo {
+            let hf = _mm512_cvtpbh_ps(h);
+            let l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, hf));
+            _mm256_storeu_si256(
+                lo.add(x) as *mut __m256i,
+                std::mem::transmute::<__m256bh, __m256i>(l),
+            );
+        }
+        x += 16;
+    }
+}
+
+/// Packs keys `j0 .. j0 + nk` (≤ [`BK`]) of `(b, kvh)` into `dst` ([`k_len`] elements).
+/// `rows` is scratch of `comps × BK × e_pad(e)` elements, `tmp` of `e` floats.
+///
+/// # Safety
+/// [`available`] must have returned true.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pack_k(
+    k: &View,
+    b: usize,
+    kvh: usize,
+    j0: usize,
+    nk: usize,
+    e: usize,
+    comps: usize,
+    dst: &mut [u16],
+    rows: &mut [u16],
+    tmp: &mut [f32],
+) {
+    let ep = e_pad(e);
+    let rlen = BK * ep;
+    assert!(nk <= BK && dst.len() >= k_len(e, comps) && rows.len() >= comps * rlen && tmp.len() >= e);
+    rows[..comps * rlen].fill(0);
+    for j in 0..nk {
+        let off = k.row_offset(b, kvh, j0 + j);
+        let row = k.row_f32(off, e, tmp);
+        let hi = rows.as_mut_ptr().add(j * ep);
+        let lo = (comps > 1).then(|| rows.as_mut_ptr().add(rlen + j * ep));
+        split(row, ep, hi, lo);
+    }
+    // VNNI: tile (panel, t) row r, key c = the u32 pair (2r, 2r + 1) of key
+    // `panel·16 + c` in contraction tile t.
+    let kt = ep / TK;
+    let clen = (BK / NR) * kt * TILE;
+    for c in 0..comps {
+        let src = &rows[c * rlen..(c + 1) * rlen];
+        for panel in 0..BK / NR {
+            for t in 0..kt {
+                let tile = &mut dst[c * clen + (panel * kt + t) * TILE..][..TILE];
+                for key in 0..NR {
+                    let sr = &src[(panel * NR + key) * ep + t * TK..][..TK];
+                    for r in 0..TM {
+                        tile[r * TK + 2 * key] = sr[2 * r];
+                        tile[r * TK + 2 * key + 1] = sr[2 * r + 1];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Packs values `j0 .. j0 + nk` (≤ [`BK`]) of `(b, kvh)` into `dst` ([`v_len`]
+/// elements). `rows` is scratch of `comps × BK × ceil(ev/16)·16` elements, `tmp` of `ev` floats.
+///
+/// # Safety
+/// [`available`] must have returned true.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pack_v(
+    v: &View,
+    b: usize,
+    kvh: usize,
+    j0: usize,
+    nk: usize,
+    ev: usize,
+    comps: usize,
+    dst: &mut [u16],
+    rows: &mut [u16],
+    tmp: &mut [f32],
+) {
+    let evp = ev.div_ceil(NR) * NR;
+    let rlen = BK * evp;
+    assert!(nk <= BK && dst.len() >= v_len(ev, comps) && rows.len() >= comps * rlen && tmp.len() >= ev);
+    rows[..comps * rlen].fill(0);
+    for j in 0..nk {
+        let off = v.row_offset(b, kvh, j0 + j);
+        let row = v.row_f32(off, ev, tmp);
+        let hi = rows.as_mut_ptr().add(j * evp);
+        let lo = (comps > 1).then(|| rows.as_mut_ptr().add(rlen + j * evp));
+        split(row, evp, hi, lo);
+    }
+    // VNNI: tile (panel, t) row r, column c = values (key t·32 + 2r, column panel·16 + c)
+    // and (key t·32 + 2r + 1, same column).
+    let nvp = evp / NR;
+    let clen = nvp * (BK / TK) * TILE;
+    for c in 0..comps {
+        let src = &rows[c * rlen..(c + 1) * rlen];
+        for panel in 0..nvp {
+            for t in 0..BK / TK {
+                let tile = &mut dst[c * clen + (panel * (BK / TK) + t) * TILE..][..TILE];
+                for r in 0..TM {
+                    let k0 = &src[(t * TK + 2 * r) * evp + panel * NR..][..NR];
+                    let k1 = &src[(t * TK + 2 * r + 1) * evp + panel * NR..][..NR];
+                    for col in 0..NR {
+                        tile[r * TK + 2 * col] = k0[col];
+                        tile[r * TK + 2 * col + 1] = k1[col];
+                    }
+                }
+            }
+        }
+    }
+}
+
+macro_rules! tzero {
+    ($t:literal) => {
+        asm!(concat!("tilezero tmm", $t), options(nostack, nomem))
+    };
+}
+macro_rules! tload {
+    ($t:literal, $p:expr, $stride:expr) => {
+        asm!(concat!("tileloadd tmm", $t, ", [{p} + {s}*1]"), p = in(reg) $p, s = in(reg) $stride, options(nostack, readonly))
+    };
+}
+macro_rules! tstore {
+    ($t:literal, $p:expr, $stride:expr) => {
+        asm!(concat!("tilestored [{p} + {s}*1], tmm", $t), p = in(reg) $p, s = in(reg) $stride, options(nostack))
+    };
+}
+macro_rules! tdp {
+    ($c:literal, $a:literal, $b:literal) => {
+        asm!(
+            concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b),
+            options(nostack, nomem)
+        )
+    };
+}
+
+/// `S = Q·Kᵀ` for one block: `rtiles` 16-row tiles of Q (`qa`, per-component stride
+/// `qcs`, row stride `e_pad(e)`) against the [`BK`] keys of a packed K block (`kb`, per-
+/// component stride `kcs`); scores go to `s` (f32, row stride `lds` floats).
+///
+/// # Safety
+/// [`configure`] must have run on this thread; the buffers must hold what the layouts
+/// above describe.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn qk(
+    qa: *const u16,
+    qcs: usize,
+    rtiles: usize,
+    e: usize,
+    kb: *const u16,
+    kcs: usize,
+    terms: Terms,
+    s: *mut f32,
+    lds: usize,
+) {
+    let ep = e_pad(e);
+    let kt = ep / TK;
+    let (sa, sb, ss) = (ep * 2, TK * 2, lds * 4);
+    let mut rt = 0;
+    while rt < rtiles {
+        let two = rt + 1 < rtiles;
+        for panel in (0..BK / NR).step_by(2) {
+            tzero!(0);
+            tzero!(1);
+            tzero!(2);
+            tzero!(3);
+            for &(ca, cb) in terms {
+                for t in 0..kt {
+                    let a0 = qa.add(ca * qcs + rt * TM * ep + t * TK);
+                    let b0 = kb.add(cb * kcs + (panel * kt + t) * TILE);
+                    let b1 = kb.add(cb * kcs + ((panel + 1) * kt + t) * TILE);
+                    tload!(4, a0, sa);
+                    tload!(6, b0, sb);
+                    tload!(7, b1, sb);
+                    tdp!(0, 4, 6);
+                    tdp!(1, 4, 7);
+                    if two {
+                        tload!(5, a0.add(TM * ep), sa);
+                        tdp!(2, 5, 6);
+                        tdp!(3, 5, 7);
+                    }
+                }
+            }
+            let s0 = s.add(rt * TM * lds + panel * NR);
+            tstore!(0, s0, ss);
+            tstore!(1, s0.add(NR), ss);
+            if two {
+                tstore!(2, s0.add(TM * lds), ss);
+                tstore!(3, s0.add(TM * lds + NR), ss);
+            }
+        }
+        rt += if two { 2 } else { 1 };
+    }
+}
+
+/// `O += P·V` for one block: `rtiles` 16-row tiles of P (`pa`, per-component stride
+/// `pcs`, row stride [`BK`]) against a packed V block (`vb`, per-component stride `vcs`,
+/// `nvp` column panels); `o` is f32 with row stride `ldo` floats (already rescaled).
+///
+/// # Safety
+/// As for [`qk`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pv(
+    pa: *const u16,
+    pcs: usize,
+    rtiles: usize,
+    vb: *const u16,
+    vcs: usize,
+    nvp: usize,
+    terms: Terms,
+    o: *mut f32,
+    ldo: usize,
+) {
+    let (sa, sb, so) = (BK * 2, TK * 2, ldo * 4);
+    let nt = BK / TK;
+    let mut rt = 0;
+    while rt < rtiles {
+        let two_r = rt + 1 < rtiles;
+        let mut cp = 0;
+        while cp < nvp {
+            let two_c = cp + 1 < nvp;
+            let o0 = o.add(rt * TM * ldo + cp * NR);
+            tload!(0, o0, so);
+            if two_c {
+                tload!(1, o0.add(NR), so);
+            }
+            if two_r {
+                tload!(2, o0.add(TM * ldo), so);
+            }
+            if two_r && two_c {
+                tload!(3, o0.add(TM * ldo + NR), so);
+            }
+            for &(ca, cb) in terms {
+                for t in 0..nt {
+                    let a0 = pa.add(ca * pcs + rt * TM * BK + t * TK);
+                    let b0 = vb.add(cb * vcs + (cp * nt + t) * TILE);
+                    tload!(4, a0, sa);
+                    tload!(6, b0, sb);
+                    tdp!(0, 4, 6);
+                    if two_c {
+                        tload!(7, b0.add(nt * TILE), sb);
+                        tdp!(1, 4, 7);
+                    }
+                    if two_r {
+                        tload!(5, a0.add(TM * BK), sa);
+                        tdp!(2, 5, 6);
+                        if two_c {
+                            tdp!(3, 5, 7);
+                        }
+                    }
+                }
+            }
+            tstore!(0, o0, so);
+            if two_c {
+                tstore!(1, o0.add(NR), so);
+            }
+            if two_r {
+                tstore!(2, o0.add(TM * ldo), so);
+            }
+            if two_r && two_c {
+                tstore!(3, o0.add(TM * ldo + NR), so);
+            }
+            cp += if two_c { 2 } else { 1 };
+        }
+        rt += if two_r { 2 } else { 1 };
+    }
+}
