@@ -71,6 +71,17 @@ pub struct Shape {
 }
 
 pub const SHAPES: &[Shape] = &[
+    // Decode with one query row per kv head (MHA-style), S over several key blocks, E not
+    // a multiple of 16.
+    Shape {
+        b: 3,
+        hq: 4,
+        hkv: 4,
+        l: 1,
+        s: 300,
+        e: 72,
+        ev: 40,
+    },
     Shape {
         b: 1,
         hq: 1,

@@ -121,7 +121,9 @@ unsafe fn qk_tile<const S: usize, const P: usize>(
     }
 }
 
-/// See [`super::portable::pv`] (P row-major with row stride [`BK`]); `rows` must be a multiple of [`MR`].
+/// See [`super::portable::pv`] (P row-major with row stride [`BK`]); `rows` must be a
+/// multiple of [`MR`]. When `rows == MR` and only the first `live` rows are real (decode),
+/// only those are computed; the padding rows of `o` are left as they are.
 ///
 /// # Safety
 /// AVX-512F must be available.
@@ -129,6 +131,7 @@ unsafe fn qk_tile<const S: usize, const P: usize>(
 pub(super) unsafe fn pv(
     p: &[f32],
     rows: usize,
+    live: usize,
     nk: usize,
     vp: &[f32],
     vps: usize,
@@ -147,6 +150,7 @@ pub(super) unsafe fn pv(
         pv_impl(
             p.as_ptr(),
             rows,
+            live,
             nk,
             vp.as_ptr(),
             vps,
@@ -164,6 +168,7 @@ pub(super) unsafe fn pv(
 unsafe fn pv_impl(
     p: *const f32,
     rows: usize,
+    live: usize,
     nk: usize,
     vp: *const f32,
     vps: usize,
@@ -174,6 +179,29 @@ unsafe fn pv_impl(
     alpha: *const f32,
 ) {
     let nstrips = rows / MR;
+    if nstrips == 1 && live < MR {
+        let mut n = 0;
+        while n < nvp {
+            let two = n + 1 < nvp;
+            let args = (p, nk, vp.add(n * vps), vps, ldv);
+            let op = o.add(n * NR);
+            match (live, two) {
+                (0, _) => {}
+                (1, true) => pv_tile::<1, 2>(args, op, ldo, alpha),
+                (1, false) => pv_tile::<1, 1>(args, op, ldo, alpha),
+                (2, true) => pv_tile::<2, 2>(args, op, ldo, alpha),
+                (2, false) => pv_tile::<2, 1>(args, op, ldo, alpha),
+                (3, true) => pv_tile::<3, 2>(args, op, ldo, alpha),
+                (3, false) => pv_tile::<3, 1>(args, op, ldo, alpha),
+                (4, true) => pv_tile::<4, 2>(args, op, ldo, alpha),
+                (4, false) => pv_tile::<4, 1>(args, op, ldo, alpha),
+                (_, true) => pv_tile::<5, 2>(args, op, ldo, alpha),
+                (_, false) => pv_tile::<5, 1>(args, op, ldo, alpha),
+            }
+            n += if two { 2 } else { 1 };
+        }
+        return;
+    }
     let mut n = 0;
     while n < nvp {
         let two = n + 1 < nvp;
@@ -291,6 +319,9 @@ unsafe fn qk_dot_impl(
 ) {
     let full = e / 16 * 16;
     let tm = tail_mask(e - full);
+    if live_rows == 1 && rows == MR {
+        return qk_dot_row(q, e, k, ldk, nk, s);
+    }
     for strip in 0..rows / MR {
         let qs = q.add(strip * MR * e);
         let live = live_rows.saturating_sub(strip * MR).min(MR);
@@ -329,6 +360,62 @@ unsafe fn qk_dot_impl(
             }
             j += 4;
         }
+    }
+}
+
+/// `qk_dot` for a single query row: 16 keys per pass, whose 16 partial-sum registers are
+/// reduced together by a transpose-and-add tree (45 shuffles/adds instead of 16 full
+/// horizontal reductions).
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_dot_row(q: *const f32, e: usize, k: *const f32, ldk: usize, nk: usize, s: *mut f32) {
+    let full = e / 16 * 16;
+    let tm = tail_mask(e - full);
+    let mut j = 0;
+    while j < nk {
+        let cnt = (nk - j).min(16);
+        let kps: [*const f32; 16] = std::array::from_fn(|c| k.add((j + c.min(cnt - 1)) * ldk));
+        let mut acc = [_mm512_setzero_ps(); 16];
+        let mut x = 0;
+        while x < full {
+            let a = _mm512_loadu_ps(q.add(x));
+            for c in 0..16 {
+                acc[c] = _mm512_fmadd_ps(a, _mm512_loadu_ps(kps[c].add(x)), acc[c]);
+            }
+            x += 16;
+        }
+        if full < e {
+            let a = _mm512_maskz_loadu_ps(tm, q.add(full));
+            for c in 0..16 {
+                acc[c] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(tm, kps[c].add(full)), acc[c]);
+            }
+        }
+        // 16 → 8: within each 128-bit lane, (a0 + a2, b0 + b2, a1 + a3, b1 + b3).
+        let b: [__m512; 8] = std::array::from_fn(|i| {
+            let (x0, x1) = (acc[2 * i], acc[2 * i + 1]);
+            _mm512_add_ps(_mm512_unpacklo_ps(x0, x1), _mm512_unpackhi_ps(x0, x1))
+        });
+        // 8 → 4: each 128-bit lane holds partial sums of four consecutive keys.
+        let c: [__m512; 4] = std::array::from_fn(|i| {
+            let (x0, x1) = (b[2 * i], b[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0x44>(x0, x1),
+                _mm512_shuffle_ps::<0xEE>(x0, x1),
+            )
+        });
+        // 4 → 2 → 1: sum the four 128-bit lanes of each group of keys.
+        let d: [__m512; 2] = std::array::from_fn(|i| {
+            let (x0, x1) = (c[2 * i], c[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(x0, x1),
+                _mm512_shuffle_f32x4::<0xEE>(x0, x1),
+            )
+        });
+        let sums = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(d[0], d[1]),
+            _mm512_shuffle_f32x4::<0xDD>(d[0], d[1]),
+        );
+        _mm512_mask_storeu_ps(s.add(j), tail_mask_full(cnt), sums);
+        j += 16;
     }
 }
 

@@ -35,6 +35,11 @@ pub(crate) fn rows_f32<'r, 'd: 'r>(
         }
     }
     let ldb = width.div_ceil(align) * align;
+    if ldb == width && ld == width && src.strides[3] == 1 {
+        // Contiguous rows: one conversion for the whole block.
+        src.read_row(start, &mut buf[..nk * width], 1.0);
+        return (&buf[..nk * ldb], ldb);
+    }
     for jl in 0..nk {
         let row = &mut buf[jl * ldb..(jl + 1) * ldb];
         src.read_row(start + jl * ld, &mut row[..width], 1.0);

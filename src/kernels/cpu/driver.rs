@@ -952,6 +952,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                     isa.pv(
                         sbs,
                         MR,
+                        MR,
                         k,
                         vsl,
                         vps,
@@ -964,7 +965,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 }
             }
         } else {
-            isa.pv(sb, rows, nk, vsl, vps, ldv, nvp, o, evp, alpha);
+            isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
         }
     }
 }

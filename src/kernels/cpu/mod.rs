@@ -146,6 +146,7 @@ impl Isa {
         self,
         p: &[f32],
         rows: usize,
+        live: usize,
         nk: usize,
         vp: &[f32],
         vps: usize,
@@ -161,7 +162,7 @@ impl Isa {
             Isa::Avx2Fma => unsafe { avx2::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
             // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
+            Isa::Avx512 => unsafe { avx512::pv(p, rows, live, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
             // SAFETY: `Isa::Neon` only reaches the kernel after `is_supported()`.
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => unsafe { neon::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
