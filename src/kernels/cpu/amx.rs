@@ -5,13 +5,15 @@
 //! * bf16 q, k, v are one component each (exact);
 //! * f16 q, k, v are `hi + lo` (`hi = bf16(x)`, `lo = bf16(x − hi)`), which is exact,
 //!   since f16 has 11 significant bits and bf16 8;
-//! * the f32 probabilities P are `hi + lo` (16 significant bits: a relative error of at
-//!   most 2⁻¹⁷ per probability, far below the bf16/f16 output rounding).
+//! * the f32 probabilities P are one bf16 for bf16 inputs (8 significant bits, as
+//!   PyTorch's CPU kernel rounds them; the output is bf16 anyway) and `hi + lo` for f16
+//!   inputs (16 significant bits, so f16 outputs lose nothing to it).
 //!
 //! A product of two components is exact in f32. `Q·Kᵀ` is exact for bf16 (1 product);
 //! for f16 it sums `hi·hi + hi·lo + lo·hi` and drops only `lo·lo`, at most 2⁻¹⁸ of
-//! `|q|·|k|` per term. `P·V` likewise drops only `lo·lo` (2 products for bf16, 3 for f16).
-//! `tests/kernel_cpu.rs` checks that the result is within one output ulp of f32 math.
+//! `|q|·|k|` per term. `P·V` is 1 product for bf16 (error at most 2⁻⁹ · max|v|) and
+//! `hi·hi + hi·lo + lo·hi` for f16. `tests/kernel_cpu.rs` checks that f16 results are
+//! within one output ulp of f32 math, and bf16 results within that plus 2⁻⁹ · max|v|.
 //!
 //! Layouts (`u16` bf16 bits; a tile is 16 rows × 64 bytes = 512 elements):
 //! * A operands (Q, P): row-major, per component, rows padded to 16 and the contraction
@@ -24,7 +26,7 @@
 //! Everything here needs AMX-BF16 and AVX-512 (F, BF16) and, on Linux, the kernel's
 //! permission to use the tile data ([`available`] asks for it once per process).
 
-use super::pack::{View, BK, NR};
+use super::pack::{Data, View, BK, NR};
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -44,21 +46,25 @@ pub(crate) type Terms = &'static [(usize, usize)];
 pub(crate) struct Plan {
     /// Components of q, k and v (1 for bf16, 2 for f16).
     pub comps: usize,
+    /// Components of the probabilities P (1 for bf16, 2 for f16).
+    pub p_comps: usize,
     /// `(q, k)` component pairs of `Q·Kᵀ`.
     pub qk: Terms,
-    /// `(p, v)` component pairs of `P·V` (P always has 2 components).
+    /// `(p, v)` component pairs of `P·V`.
     pub pv: Terms,
 }
 
 /// bf16 inputs: exact single components.
 pub(crate) const PLAN_BF16: Plan = Plan {
     comps: 1,
+    p_comps: 1,
     qk: &[(0, 0)],
-    pv: &[(0, 0), (1, 0)],
+    pv: &[(0, 0)],
 };
 /// f16 inputs: `hi + lo` components.
 pub(crate) const PLAN_F16: Plan = Plan {
     comps: 2,
+    p_comps: 2,
     qk: &[(0, 0), (0, 1), (1, 0)],
     pv: &[(0, 0), (0, 1), (1, 0)],
 };
@@ -185,6 +191,35 @@ pub(crate) unsafe fn split(src: &[f32], dst_len: usize, hi: *mut u16, lo: Option
     }
 }
 
+/// Row `off` (`n` elements) of `src` as bf16 components into `hi` (and `lo`, which may
+/// be null when `comps == 1`), `dst_len` elements each, zero past `n`. bf16 sources with unit stride are
+/// copied bit for bit; others go through f32 (`tmp` holds `n` floats) and [`split`].
+///
+/// # Safety
+/// As for [`split`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn row_components(
+    src: &View,
+    off: usize,
+    n: usize,
+    comps: usize,
+    dst_len: usize,
+    hi: *mut u16,
+    lo: *mut u16,
+    tmp: &mut [f32],
+) {
+    if let (Data::BF16(d), 1) = (src.data, comps) {
+        if src.strides[3] == 1 || n <= 1 {
+            let row = &d[off..off + n];
+            std::ptr::copy_nonoverlapping(row.as_ptr() as *const u16, hi, n);
+            std::ptr::write_bytes(hi.add(n), 0, dst_len - n);
+            return;
+        }
+    }
+    let row = src.row_f32(off, n, tmp);
+    split(row, dst_len, hi, (comps > 1).then_some(lo));
+}
+
 /// Packs keys `j0 .. j0 + nk` (≤ [`BK`]) of `(b, kvh)` into `dst` ([`k_len`] elements).
 /// `rows` is scratch of `comps × BK × e_pad(e)` elements, `tmp` of `e` floats.
 ///
@@ -206,13 +241,19 @@ pub(crate) unsafe fn pack_k(
     let ep = e_pad(e);
     let rlen = BK * ep;
     assert!(nk <= BK && dst.len() >= k_len(e, comps) && rows.len() >= comps * rlen && tmp.len() >= e);
-    rows[..comps * rlen].fill(0);
+    // Rows `j < nk` are written whole below; the padding keys must be zero.
+    for c in 0..comps {
+        rows[c * rlen + nk * ep..(c + 1) * rlen].fill(0);
+    }
     for j in 0..nk {
         let off = k.row_offset(b, kvh, j0 + j);
-        let row = k.row_f32(off, e, tmp);
-        let hi = rows.as_mut_ptr().add(j * ep);
-        let lo = (comps > 1).then(|| rows.as_mut_ptr().add(rlen + j * ep));
-        split(row, ep, hi, lo);
+        let base = rows.as_mut_ptr();
+        let lo = if comps > 1 {
+            base.add(rlen + j * ep)
+        } else {
+            std::ptr::null_mut()
+        };
+        row_components(k, off, e, comps, ep, base.add(j * ep), lo, tmp);
     }
     // VNNI: tile (panel, t) row r, key c = the u32 pair (2r, 2r + 1) of key
     // `panel·16 + c` in contraction tile t.
@@ -256,13 +297,20 @@ pub(crate) unsafe fn pack_v(
     let evp = ev.div_ceil(NR) * NR;
     let rlen = BK * evp;
     assert!(nk <= BK && dst.len() >= v_len(ev, comps) && rows.len() >= comps * rlen && tmp.len() >= ev);
-    rows[..comps * rlen].fill(0);
+    // Rows `j < nk` are written whole below; the padding keys must be zero (0 · NaN
+    // would poison the products).
+    for c in 0..comps {
+        rows[c * rlen + nk * evp..(c + 1) * rlen].fill(0);
+    }
     for j in 0..nk {
         let off = v.row_offset(b, kvh, j0 + j);
-        let row = v.row_f32(off, ev, tmp);
-        let hi = rows.as_mut_ptr().add(j * evp);
-        let lo = (comps > 1).then(|| rows.as_mut_ptr().add(rlen + j * evp));
-        split(row, evp, hi, lo);
+        let base = rows.as_mut_ptr();
+        let lo = if comps > 1 {
+            base.add(rlen + j * evp)
+        } else {
+            std::ptr::null_mut()
+        };
+        row_components(v, off, ev, comps, evp, base.add(j * evp), lo, tmp);
     }
     // VNNI: tile (panel, t) row r, column c = values (key t·32 + 2r, column panel·16 + c)
     // and (key t·32 + 2r + 1, same column).
@@ -369,9 +417,10 @@ pub(crate) unsafe fn qk(
     }
 }
 
-/// `O += P·V` for one block: `rtiles` 16-row tiles of P (`pa`, per-component stride
-/// `pcs`, row stride [`BK`]) against a packed V block (`vb`, per-component stride `vcs`,
-/// `nvp` column panels); `o` is f32 with row stride `ldo` floats (already rescaled).
+/// `O += P·V` for a super-block of `vbs.len()` key blocks: `rtiles` 16-row tiles of P
+/// (`pa`, per-component stride `pcs`, row stride `ldp`, key block `i` at column
+/// `i·BK`) against the packed V blocks `vbs` (per-component stride `vcs`, `nvp` column
+/// panels each); `o` is f32 with row stride `ldo` floats (already rescaled).
 ///
 /// # Safety
 /// As for [`qk`].
@@ -379,15 +428,16 @@ pub(crate) unsafe fn qk(
 pub(crate) unsafe fn pv(
     pa: *const u16,
     pcs: usize,
+    ldp: usize,
     rtiles: usize,
-    vb: *const u16,
+    vbs: &[*const u16],
     vcs: usize,
     nvp: usize,
     terms: Terms,
     o: *mut f32,
     ldo: usize,
 ) {
-    let (sa, sb, so) = (BK * 2, TK * 2, ldo * 4);
+    let (sa, sb, so) = (ldp * 2, TK * 2, ldo * 4);
     let nt = BK / TK;
     let mut rt = 0;
     while rt < rtiles {
@@ -407,21 +457,23 @@ pub(crate) unsafe fn pv(
                 tload!(3, o0.add(TM * ldo + NR), so);
             }
             for &(ca, cb) in terms {
-                for t in 0..nt {
-                    let a0 = pa.add(ca * pcs + rt * TM * BK + t * TK);
-                    let b0 = vb.add(cb * vcs + (cp * nt + t) * TILE);
-                    tload!(4, a0, sa);
-                    tload!(6, b0, sb);
-                    tdp!(0, 4, 6);
-                    if two_c {
-                        tload!(7, b0.add(nt * TILE), sb);
-                        tdp!(1, 4, 7);
-                    }
-                    if two_r {
-                        tload!(5, a0.add(TM * BK), sa);
-                        tdp!(2, 5, 6);
+                for (bi, &vb) in vbs.iter().enumerate() {
+                    for t in 0..nt {
+                        let a0 = pa.add(ca * pcs + rt * TM * ldp + bi * BK + t * TK);
+                        let b0 = vb.add(cb * vcs + (cp * nt + t) * TILE);
+                        tload!(4, a0, sa);
+                        tload!(6, b0, sb);
+                        tdp!(0, 4, 6);
                         if two_c {
-                            tdp!(3, 5, 7);
+                            tload!(7, b0.add(nt * TILE), sb);
+                            tdp!(1, 4, 7);
+                        }
+                        if two_r {
+                            tload!(5, a0.add(TM * ldp), sa);
+                            tdp!(2, 5, 6);
+                            if two_c {
+                                tdp!(3, 5, 7);
+                            }
                         }
                     }
                 }

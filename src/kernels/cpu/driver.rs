@@ -145,6 +145,7 @@ struct Scratch {
 #[cfg(target_arch = "x86_64")]
 #[derive(Default)]
 struct AmxBufs {
+    s: Vec<f32>,
     qa: Vec<u16>,
     pa: Vec<u16>,
     ka: Vec<u16>,
@@ -511,6 +512,15 @@ fn prefill_amx<T: OutElem>(
     }
 }
 
+/// Key blocks per AMX super-block: scores, softmax and the `P·V` accumulation run over
+/// up to `AMX_GROUP × BK` = 256 keys at once, so the output tiles are loaded and stored
+/// once per 256 keys.
+#[cfg(target_arch = "x86_64")]
+const AMX_GROUP: usize = 4;
+/// Keys per AMX super-block (the row stride of its score and probability buffers).
+#[cfg(target_arch = "x86_64")]
+const SBK: usize = AMX_GROUP * BK;
+
 /// [`process`] with both block products on AMX tiles (see `amx`): leaves the same
 /// unnormalised `o`, `m` (log2 domain) and `l` in the scratch.
 #[cfg(target_arch = "x86_64")]
@@ -540,7 +550,6 @@ fn process_amx(
     let c = p.scale * LOG2_E;
 
     let Scratch {
-        s: sbuf,
         o,
         m,
         l: lsum,
@@ -554,19 +563,21 @@ fn process_amx(
         ..
     } = sc;
     let qcs = rows * ep;
-    let pcs = rows * BK;
-    let grow = |v: &mut Vec<u16>, n: usize| {
+    let pcs = rows * SBK;
+    fn grow<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
         if v.len() < n {
-            v.resize(n, 0);
+            v.resize(n, T::default());
         }
-    };
+    }
+    // Padding rows (`n..rows`) of Q, S, P and O hold stale values: a row of a tile
+    // product only depends on the same row of its A operand, and padding rows are never
+    // read back.
     grow(&mut ab.qa, comps * BQ * ep);
-    grow(&mut ab.pa, 2 * BQ * BK);
-    ab.qa[..comps * qcs].fill(0);
-    ab.pa[..2 * pcs].fill(0);
+    grow(&mut ab.pa, plan.p_comps * BQ * SBK);
+    grow(&mut ab.s, BQ * SBK);
     if packed.is_none() {
-        grow(&mut ab.ka, kbl);
-        grow(&mut ab.va, vbl);
+        grow(&mut ab.ka, AMX_GROUP * kbl);
+        grow(&mut ab.va, AMX_GROUP * vbl);
         grow(&mut ab.rows, comps * BK * ep.max(evp));
     }
 
@@ -578,18 +589,16 @@ fn process_amx(
         hh[r] = h;
         ii[r] = i;
         let off = p.q.row_offset(bb, h, i);
-        let qrow = &mut tmp[..e];
-        p.q.read_row(off, qrow, 1.0);
         let qa = ab.qa.as_mut_ptr();
         // SAFETY: `p.amx` is only set after `amx::available()`; row `r` of each
         // component holds `ep` elements of `ab.qa`.
         unsafe {
-            amx::split(
-                qrow,
-                ep,
-                qa.add(r * ep),
-                (comps > 1).then(|| qa.add(qcs + r * ep)),
-            );
+            let lo = if comps > 1 {
+                qa.add(qcs + r * ep)
+            } else {
+                std::ptr::null_mut()
+            };
+            amx::row_components(&p.q, off, e, comps, ep, qa.add(r * ep), lo, tmp);
         }
         let (a, z) = p.row_range(i);
         lo[r] = a;
@@ -613,49 +622,66 @@ fn process_amx(
     }
     // SAFETY: as above.
     unsafe { amx::configure() };
-    for kb in klo / BK..khi.div_ceil(BK) {
-        let j0 = kb * BK;
-        let nk = BK.min(s - j0);
-        let (kbp, vbp): (*const u16, *const u16) = match packed {
-            Some(grp) => {
-                let base = kb * (kbl + vbl);
-                (grp[base..].as_ptr(), grp[base + kbl..base + kbl + vbl].as_ptr())
-            }
-            None => {
-                // SAFETY: as above; the buffers were sized for one block.
-                unsafe {
-                    amx::pack_k(&p.k, bb, kvh, j0, nk, e, comps, &mut ab.ka, &mut ab.rows, tmp);
-                    amx::pack_v(&p.v, bb, kvh, j0, nk, ev, comps, &mut ab.va, &mut ab.rows, tmp);
+    let kb_end = khi.div_ceil(BK);
+    let mut kb0 = klo / BK;
+    while kb0 < kb_end {
+        let nb = (kb_end - kb0).min(AMX_GROUP);
+        let j0 = kb0 * BK;
+        let nks = (nb * BK).min(s - j0);
+        let mut kbs = [std::ptr::null::<u16>(); AMX_GROUP];
+        let mut vbs = [std::ptr::null::<u16>(); AMX_GROUP];
+        for bi in 0..nb {
+            let kb = kb0 + bi;
+            match packed {
+                Some(grp) => {
+                    let base = kb * (kbl + vbl);
+                    kbs[bi] = grp[base..base + kbl].as_ptr();
+                    vbs[bi] = grp[base + kbl..base + kbl + vbl].as_ptr();
                 }
-                (ab.ka.as_ptr(), ab.va.as_ptr())
+                None => {
+                    let nk = BK.min(s - kb * BK);
+                    let (kd, vd) = (
+                        &mut ab.ka[bi * kbl..(bi + 1) * kbl],
+                        &mut ab.va[bi * vbl..(bi + 1) * vbl],
+                    );
+                    // SAFETY: as above; the buffers were sized for `AMX_GROUP` blocks.
+                    unsafe {
+                        amx::pack_k(&p.k, bb, kvh, kb * BK, nk, e, comps, kd, &mut ab.rows, tmp);
+                        amx::pack_v(&p.v, bb, kvh, kb * BK, nk, ev, comps, vd, &mut ab.rows, tmp);
+                    }
+                    kbs[bi] = ab.ka[bi * kbl..].as_ptr();
+                    vbs[bi] = ab.va[bi * vbl..].as_ptr();
+                }
             }
-        };
-        let sb = sbuf.as_mut_slice();
-        // SAFETY: `configure` ran on this thread; Q holds `rtiles` tiles of every
-        // component, the K block `kbl` elements, the score buffer `rows × BK` floats.
-        unsafe {
-            amx::qk(
-                ab.qa.as_ptr(),
-                qcs,
-                rtiles,
-                e,
-                kbp,
-                kcs,
-                plan.qk,
-                sb.as_mut_ptr(),
-                BK,
-            )
-        };
-        let need_causal = p.causal.is_some() && !(max_lo <= j0 && min_hi >= j0 + nk);
+        }
+        let sb = ab.s.as_mut_ptr();
+        for (bi, &kbp) in kbs.iter().enumerate().take(nb) {
+            // SAFETY: `configure` ran on this thread; Q holds `rtiles` tiles of every
+            // component, each K block `kbl` elements, the score buffer `rows × SBK` floats.
+            unsafe {
+                amx::qk(
+                    ab.qa.as_ptr(),
+                    qcs,
+                    rtiles,
+                    e,
+                    kbp,
+                    kcs,
+                    plan.qk,
+                    sb.add(bi * BK),
+                    SBK,
+                )
+            };
+        }
+        let need_causal = p.causal.is_some() && !(max_lo <= j0 && min_hi >= j0 + nks);
         let ov = o.as_mut_slice();
         let pa = ab.pa.as_mut_ptr();
         for r in 0..n {
-            let row = &mut sb[r * BK..(r + 1) * BK];
+            let row = &mut ab.s[r * SBK..r * SBK + nb * BK];
             let (a, z) = if need_causal {
-                let z = hi[r].saturating_sub(j0).min(nk);
+                let z = hi[r].saturating_sub(j0).min(nks);
                 (lo[r].saturating_sub(j0).min(z), z)
             } else {
-                (0, nk)
+                (0, nks)
             };
             let mut cr = c;
             if let Some(mk) = &p.mask {
@@ -666,17 +692,15 @@ fn process_amx(
                 cr = 1.0;
             }
             // SAFETY: `p.amx` is only set after `amx::available()` (which includes
-            // AVX-512F and AVX512-BF16); the row holds `BK` floats and row `r` of both P
-            // components `BK` elements of `ab.pa`.
+            // AVX-512F and AVX512-BF16); the row holds `nb·BK` floats and row `r` of both
+            // P components `SBK` elements of `ab.pa` (`lo` is null with one component).
             let (m_new, al, sum) = unsafe {
-                avx512::softmax_row_bf16(
-                    row.as_ptr(),
-                    (a, z),
-                    cr,
-                    m[r],
-                    pa.add(r * BK),
-                    pa.add(pcs + r * BK),
-                )
+                let lo_p = if plan.p_comps > 1 {
+                    pa.add(pcs + r * SBK)
+                } else {
+                    std::ptr::null_mut()
+                };
+                avx512::softmax_row_bf16(row, (a, z), cr, m[r], pa.add(r * SBK), lo_p)
             };
             if m_new != f32::NEG_INFINITY {
                 lsum[r] = lsum[r] * al + sum;
@@ -688,14 +712,15 @@ fn process_amx(
                 }
             }
         }
-        // SAFETY: as for `qk`; P holds `rtiles` tiles of both components, the V block
-        // `vbl` elements, O `rows × evp` floats.
+        // SAFETY: as for `qk`; P holds `rtiles` tiles of both components with row stride
+        // `SBK`, each V block `vbl` elements, O `rows × evp` floats.
         unsafe {
             amx::pv(
                 ab.pa.as_ptr(),
                 pcs,
+                SBK,
                 rtiles,
-                vbp,
+                &vbs[..nb],
                 vcs,
                 nvp,
                 plan.pv,
@@ -703,6 +728,7 @@ fn process_amx(
                 evp,
             )
         };
+        kb0 += nb;
     }
     // SAFETY: as above.
     unsafe { amx::release() };
