@@ -382,14 +382,58 @@ unsafe fn qk_dot_impl(
             }
             let r0 = strip * MR;
             let cnt = (nk - j).min(4);
-            for (r, row) in acc.iter().enumerate() {
-                for (c, &v) in row.iter().enumerate().take(cnt) {
-                    *s.add((r0 + r) * lds + j + c) = _mm512_reduce_add_ps(v);
+            // Rows in groups of four: 16 registers → one register of 16 sums.
+            for g in 0..live.div_ceil(4) {
+                let regs: [__m512; 16] = std::array::from_fn(|i| {
+                    let r = 4 * g + i / 4;
+                    if r < live {
+                        acc[r][i % 4]
+                    } else {
+                        _mm512_setzero_ps()
+                    }
+                });
+                let mut sums = [0f32; 16];
+                _mm512_storeu_ps(sums.as_mut_ptr(), reduce16(regs));
+                for r in 4 * g..(4 * g + 4).min(live) {
+                    for c in 0..cnt {
+                        *s.add((r0 + r) * lds + j + c) = sums[(r - 4 * g) * 4 + c];
+                    }
+                }
+            }
+            for r in live..MR {
+                for c in 0..cnt {
+                    *s.add((r0 + r) * lds + j + c) = 0.0;
                 }
             }
             j += 4;
         }
     }
+}
+
+/// Horizontal sums of 16 registers at once: lane `i` of the result is `Σ regs[i]`, by a
+/// transpose-and-add tree (15 shuffle pairs instead of 16 full reductions).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce16(regs: [__m512; 16]) -> __m512 {
+    // 16 → 8: within each 128-bit lane, (a0 + a2, b0 + b2, a1 + a3, b1 + b3).
+    let b: [__m512; 8] = std::array::from_fn(|i| {
+        let (x0, x1) = (regs[2 * i], regs[2 * i + 1]);
+        _mm512_add_ps(_mm512_unpacklo_ps(x0, x1), _mm512_unpackhi_ps(x0, x1))
+    });
+    // 8 → 4: each 128-bit lane holds partial sums of four consecutive registers.
+    let c: [__m512; 4] = std::array::from_fn(|i| {
+        let (x0, x1) = (b[2 * i], b[2 * i + 1]);
+        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x0, x1), _mm512_shuffle_ps::<0xEE>(x0, x1))
+    });
+    // 4 → 2 → 1: sum the four 128-bit lanes of each group.
+    let d: [__m512; 2] = std::array::from_fn(|i| {
+        let (x0, x1) = (c[2 * i], c[2 * i + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x0, x1), _mm512_shuffle_f32x4::<0xEE>(x0, x1))
+    });
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(d[0], d[1]),
+        _mm512_shuffle_f32x4::<0xDD>(d[0], d[1]),
+    )
 }
 
 /// `qk_dot` for a single query row: 16 keys per pass, whose 16 partial-sum registers are
@@ -418,32 +462,7 @@ unsafe fn qk_dot_row(q: *const f32, e: usize, k: *const f32, ldk: usize, nk: usi
                 acc[c] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(tm, kps[c].add(full)), acc[c]);
             }
         }
-        // 16 → 8: within each 128-bit lane, (a0 + a2, b0 + b2, a1 + a3, b1 + b3).
-        let b: [__m512; 8] = std::array::from_fn(|i| {
-            let (x0, x1) = (acc[2 * i], acc[2 * i + 1]);
-            _mm512_add_ps(_mm512_unpacklo_ps(x0, x1), _mm512_unpackhi_ps(x0, x1))
-        });
-        // 8 → 4: each 128-bit lane holds partial sums of four consecutive keys.
-        let c: [__m512; 4] = std::array::from_fn(|i| {
-            let (x0, x1) = (b[2 * i], b[2 * i + 1]);
-            _mm512_add_ps(
-                _mm512_shuffle_ps::<0x44>(x0, x1),
-                _mm512_shuffle_ps::<0xEE>(x0, x1),
-            )
-        });
-        // 4 → 2 → 1: sum the four 128-bit lanes of each group of keys.
-        let d: [__m512; 2] = std::array::from_fn(|i| {
-            let (x0, x1) = (c[2 * i], c[2 * i + 1]);
-            _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0x44>(x0, x1),
-                _mm512_shuffle_f32x4::<0xEE>(x0, x1),
-            )
-        });
-        let sums = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x88>(d[0], d[1]),
-            _mm512_shuffle_f32x4::<0xDD>(d[0], d[1]),
-        );
-        _mm512_mask_storeu_ps(s.add(j), tail_mask_full(cnt), sums);
+        _mm512_mask_storeu_ps(s.add(j), tail_mask_full(cnt), reduce16(acc));
         j += 16;
     }
 }
