@@ -43,6 +43,28 @@ impl Proj {
         self.bias.as_ref()
     }
 
+    /// `x · Wᵀ + b` for `x (rows, in)`, `w (out, in)`, `b (out)` of one dtype: on the
+    /// CPU in f32 with AVX-512, the fused kernel's register-tiled product
+    /// (`kernels::cpu`); everywhere else candle's `matmul`. `tests/proj.rs` checks that
+    /// the two agree.
+    fn matmul_bias(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernels::cpu::linear::applies(x, w) {
+            return crate::kernels::cpu::linear::linear(x, w, b);
+        }
+        Self::matmul_bias_reference(x, w, b)
+    }
+
+    /// [`Proj::forward`]'s product on candle's `matmul` only (the reference path):
+    /// `x (rows, in) · w (out, in)ᵀ + b (out)`.
+    pub fn matmul_bias_reference(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        let y = x.matmul(&w.t()?)?;
+        match b {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+
     /// `(…, in)` → `(…, out)` in the accumulation dtype of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (out_dim, in_dim) = self.weight.dims2()?;
@@ -57,10 +79,8 @@ impl Proj {
         let rows = x.elem_count() / in_dim.max(1);
         let x2 = x.to_dtype(cd)?.reshape((rows, in_dim))?;
         let w = self.weight.to_dtype(cd)?;
-        let mut y = x2.matmul(&w.t()?)?;
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(&b.to_dtype(cd)?)?;
-        }
+        let bias = self.bias.as_ref().map(|b| b.to_dtype(cd)).transpose()?;
+        let y = Self::matmul_bias(&x2, &w, bias.as_ref())?;
         let mut shape = dims.to_vec();
         if let Some(last) = shape.last_mut() {
             *last = out_dim;

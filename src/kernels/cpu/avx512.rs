@@ -79,20 +79,66 @@ pub(super) unsafe fn qk(
     assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe { qk_impl(q.as_ptr(), rows, e, kp.as_ptr(), npanels, s.as_mut_ptr(), lds) }
+    unsafe {
+        qk_impl::<false>(
+            q.as_ptr(),
+            rows,
+            (0, e, e),
+            kp.as_ptr(),
+            npanels,
+            s.as_mut_ptr(),
+            lds,
+        )
+    }
 }
 
-#[target_feature(enable = "avx512f")]
-unsafe fn qk_impl(
-    q: *const f32,
+/// `s += Q[:, k0..k1] · K[:, k0..k1]ᵀ` (`s =` unless `accumulate`) on the packed layouts of [`qk`] with full
+/// contraction length `e` (strips `[rows / MR][e][MR]`, panels `[npanels][e][NR]`):
+/// one contraction chunk of a longer product (the projection GEMM blocks `e` so that a
+/// panel pair stays in L1).
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn qk_acc(
+    q: &[f32],
     rows: usize,
     e: usize,
+    (k0, k1): (usize, usize),
+    kp: &[f32],
+    npanels: usize,
+    s: &mut [f32],
+    lds: usize,
+    accumulate: bool,
+) {
+    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR && k0 <= k1 && k1 <= e);
+    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        let (qp, kpp, sp) = (q.as_ptr(), kp.as_ptr(), s.as_mut_ptr());
+        if accumulate {
+            qk_impl::<true>(qp, rows, (k0, k1, e), kpp, npanels, sp, lds)
+        } else {
+            qk_impl::<false>(qp, rows, (k0, k1, e), kpp, npanels, sp, lds)
+        }
+    }
+}
+
+/// `ACC`: add to `s` instead of overwriting it. `(k0, k1, e)`: the contraction chunk and
+/// the full contraction length (the strip and panel strides).
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_impl<const ACC: bool>(
+    q: *const f32,
+    rows: usize,
+    (k0, k1, e): (usize, usize, usize),
     kp: *const f32,
     npanels: usize,
     s: *mut f32,
     lds: usize,
 ) {
     let nstrips = rows / MR;
+    let kc = k1 - k0;
     // Panel-pair outer: two K panels (32 keys × E) stay in L1 while Q strips stream.
     let mut p = 0;
     while p < npanels {
@@ -101,13 +147,14 @@ unsafe fn qk_impl(
         while st < nstrips {
             let both = st + 1 < nstrips;
             let sp = s.add(st * MR * lds + p * NR);
-            let qs = q.add(st * MR * e);
-            let kpp = kp.add(p * e * NR);
+            let qs = q.add(st * MR * e + k0 * MR);
+            let kpp = kp.add(p * e * NR + k0 * NR);
+            let strides = (MR * e, e * NR);
             match (both, two) {
-                (true, true) => qk_tile::<2, 2>(qs, e, kpp, sp, lds),
-                (true, false) => qk_tile::<2, 1>(qs, e, kpp, sp, lds),
-                (false, true) => qk_tile::<1, 2>(qs, e, kpp, sp, lds),
-                (false, false) => qk_tile::<1, 1>(qs, e, kpp, sp, lds),
+                (true, true) => qk_tile::<2, 2, ACC>(qs, kc, strides, kpp, sp, lds),
+                (true, false) => qk_tile::<2, 1, ACC>(qs, kc, strides, kpp, sp, lds),
+                (false, true) => qk_tile::<1, 2, ACC>(qs, kc, strides, kpp, sp, lds),
+                (false, false) => qk_tile::<1, 1, ACC>(qs, kc, strides, kpp, sp, lds),
             }
             st += if both { 2 } else { 1 };
         }
@@ -115,20 +162,27 @@ unsafe fn qk_impl(
     }
 }
 
-/// One `(S·MR) × (P·NR)` score tile: `S` consecutive Q strips against `P` consecutive K panels.
+/// One `(S·MR) × (P·NR)` score tile: `S` consecutive Q strips against `P` consecutive K
+/// panels over `kc` contraction steps (strip and panel strides `strides`).
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn qk_tile<const S: usize, const P: usize>(
+unsafe fn qk_tile<const S: usize, const P: usize, const ACC: bool>(
     qs: *const f32,
-    e: usize,
+    kc: usize,
+    (strip_len, panel_len): (usize, usize),
     kpp: *const f32,
     sp: *mut f32,
     lds: usize,
 ) {
     let mut acc = [[_mm512_setzero_ps(); P]; 12];
-    let strip_len = MR * e;
-    let panel_len = e * NR;
-    for x in 0..e {
+    if ACC {
+        for (r, row) in acc.iter_mut().enumerate().take(S * MR) {
+            for (pi, v) in row.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(sp.add(r * lds + pi * NR));
+            }
+        }
+    }
+    for x in 0..kc {
         let mut kv = [_mm512_setzero_ps(); P];
         for (pi, k) in kv.iter_mut().enumerate() {
             *k = _mm512_loadu_ps(kpp.add(pi * panel_len + x * NR));
@@ -423,12 +477,18 @@ unsafe fn reduce16(regs: [__m512; 16]) -> __m512 {
     // 8 → 4: each 128-bit lane holds partial sums of four consecutive registers.
     let c: [__m512; 4] = std::array::from_fn(|i| {
         let (x0, x1) = (b[2 * i], b[2 * i + 1]);
-        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x0, x1), _mm512_shuffle_ps::<0xEE>(x0, x1))
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(x0, x1),
+            _mm512_shuffle_ps::<0xEE>(x0, x1),
+        )
     });
     // 4 → 2 → 1: sum the four 128-bit lanes of each group.
     let d: [__m512; 2] = std::array::from_fn(|i| {
         let (x0, x1) = (c[2 * i], c[2 * i + 1]);
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x0, x1), _mm512_shuffle_f32x4::<0xEE>(x0, x1))
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(x0, x1),
+            _mm512_shuffle_f32x4::<0xEE>(x0, x1),
+        )
     });
     _mm512_add_ps(
         _mm512_shuffle_f32x4::<0x88>(d[0], d[1]),

@@ -36,6 +36,8 @@ pub(crate) mod avx512;
 mod decode;
 mod driver;
 mod exp;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod linear;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod pack;
