@@ -150,10 +150,15 @@ fn product(
 
     let (xs, wp) = (&*xs, &*wp);
     let mut y = vec![0f32; rows_pad * out_pad];
-    y.par_chunks_mut(ROWS * out_pad)
+    // Row blocks of at most `ROWS` rows, as many as a multiple of the thread count, so the
+    // threads get equal work.
+    let nt = rayon::current_num_threads().max(1);
+    let nblk = rows_pad.div_ceil(ROWS).div_ceil(nt) * nt;
+    let blk_rows = rows_pad.div_ceil(nblk).div_ceil(2 * MR) * 2 * MR;
+    y.par_chunks_mut(blk_rows * out_pad)
         .enumerate()
         .for_each(|(blk, ys)| {
-            let r0 = blk * ROWS;
+            let r0 = blk * blk_rows;
             let n = ys.len() / out_pad;
             let xb = &xs[r0 * inp..(r0 + n) * inp];
             // Contraction chunks of `KC`: a panel pair (2 × KC × 16 floats) stays in L1.
