@@ -685,10 +685,7 @@ fn process_amx(
             };
             let mut cr = c;
             if let Some(mk) = &p.mask {
-                for x in &mut row[a..z] {
-                    *x *= c;
-                }
-                mk.add_row(bb, hh[r], ii[r], j0 + a, &mut row[a..z], LOG2_E);
+                mk.scale_add_row(bb, hh[r], ii[r], j0 + a, &mut row[a..z], c, LOG2_E);
                 cr = 1.0;
             }
             // SAFETY: `p.amx` is only set after `amx::available()` (which includes

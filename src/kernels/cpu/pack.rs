@@ -186,6 +186,22 @@ impl MaskView<'_> {
     #[inline]
     #[allow(clippy::too_many_arguments)]
     pub fn add_row(&self, b: usize, h: usize, i: usize, j0: usize, row: &mut [f32], mul: f32) {
+        self.scale_add_row(b, h, i, j0, row, 1.0, mul)
+    }
+
+    /// `row = scale * row + mul * mask[b, h, i, j0 .. j0 + row.len()]`.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    pub fn scale_add_row(
+        &self,
+        b: usize,
+        h: usize,
+        i: usize,
+        j0: usize,
+        row: &mut [f32],
+        scale: f32,
+        mul: f32,
+    ) {
         let n = row.len();
         if n == 0 {
             return;
@@ -193,14 +209,53 @@ impl MaskView<'_> {
         let st = self.strides[3];
         let off = self.start + b * self.strides[0] + h * self.strides[1] + i * self.strides[2] + j0 * st;
         if st == 1 {
-            for (d, &m) in row.iter_mut().zip(&self.data[off..off + n]) {
-                *d += m * mul;
+            let m = &self.data[off..off + n];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: AVX-512F was detected just above; `m` and `row` have `n` elements.
+                return unsafe { scale_add_avx512(row, scale, m, mul) };
+            }
+            for (d, &mv) in row.iter_mut().zip(m) {
+                *d = *d * scale + mv * mul;
+            }
+        } else if scale != 1.0 {
+            for (x, d) in row.iter_mut().enumerate() {
+                *d = *d * scale + self.data[off + x * st] * mul;
             }
         } else {
             for (x, d) in row.iter_mut().enumerate() {
                 *d += self.data[off + x * st] * mul;
             }
         }
+    }
+}
+
+/// `row = scale * row + mul * m` (`m.len() >= row.len()`).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scale_add_avx512(row: &mut [f32], scale: f32, m: &[f32], mul: f32) {
+    use std::arch::x86_64::*;
+    let n = row.len().min(m.len());
+    let (sv, mv) = (_mm512_set1_ps(scale), _mm512_set1_ps(mul));
+    let mut i = 0;
+    while i < n {
+        let k = if n - i >= 16 {
+            0xffff
+        } else {
+            ((1u32 << (n - i)) - 1) as __mmask16
+        };
+        // SAFETY: lanes past `n` are masked off, so only in-bounds elements are touched.
+        let x = _mm512_maskz_loadu_ps(k, row.as_ptr().add(i));
+        let y = _mm512_maskz_loadu_ps(k, m.as_ptr().add(i));
+        _mm512_mask_storeu_ps(
+            row.as_mut_ptr().add(i),
+            k,
+            _mm512_fmadd_ps(y, mv, _mm512_mul_ps(x, sv)),
+        );
+        i += 16;
     }
 }
 
