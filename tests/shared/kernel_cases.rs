@@ -71,6 +71,16 @@ pub struct Shape {
 }
 
 pub const SHAPES: &[Shape] = &[
+    // The same with E and Ev multiples of 16 (f16/bf16 rows are then read in place).
+    Shape {
+        b: 2,
+        hq: 3,
+        hkv: 3,
+        l: 1,
+        s: 200,
+        e: 48,
+        ev: 32,
+    },
     // Decode with one query row per kv head (MHA-style), S over several key blocks, E not
     // a multiple of 16.
     Shape {

@@ -6,7 +6,7 @@
 //! Every function here is `unsafe` and requires a CPU with AVX-512F; the dispatcher only
 //! selects `Isa::Avx512` after runtime detection.
 
-use super::pack::{BK, MR, NR};
+use super::pack::{Data, BK, MR, NR};
 use std::arch::x86_64::*;
 
 /// 16-lane `2^x`: `x = n + f` (`n = round(x)`, `|f| ≤ 1/2`), a degree-5 polynomial
@@ -60,6 +60,26 @@ unsafe fn exp2_512_short<const HI_ONLY: bool>(x: __m512) -> __m512 {
         _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0))
     };
     _mm512_maskz_scalef_ps(valid, y, n)
+}
+
+/// Element kinds of the decode kernels' K/V rows, read straight from the source tensor
+/// and widened to f32 in registers.
+const F32: u8 = 0;
+const BF16: u8 = 1;
+const F16: u8 = 2;
+
+/// 16 elements of kind `T` at element index `idx` of `p`, as f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load16<const T: u8>(p: *const u8, idx: usize) -> __m512 {
+    match T {
+        F32 => _mm512_loadu_ps((p as *const f32).add(idx)),
+        BF16 => {
+            let h = _mm256_loadu_si256((p as *const u16).add(idx) as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+        _ => _mm512_cvtph_ps(_mm256_loadu_si256((p as *const u16).add(idx) as *const __m256i)),
+    }
 }
 
 /// See [`super::portable::qk`] (Q in strip-packed layout); `rows` must be a multiple of [`MR`].
@@ -230,12 +250,12 @@ pub(super) unsafe fn pv(
     assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
-        pv_impl(
+        pv_impl::<F32>(
             p.as_ptr(),
             rows,
             live,
             nk,
-            vp.as_ptr(),
+            vp.as_ptr() as *const u8,
             vps,
             ldv,
             nvp,
@@ -246,14 +266,76 @@ pub(super) unsafe fn pv(
     }
 }
 
+/// [`pv`] with V rows read straight from the source (f32, bf16 or f16), widened in
+/// registers (decode path).
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pv_raw(
+    p: &[f32],
+    rows: usize,
+    live: usize,
+    nk: usize,
+    v: Data,
+    vps: usize,
+    ldv: usize,
+    nvp: usize,
+    o: &mut [f32],
+    ldo: usize,
+    alpha: &[f32],
+) {
+    let (ptr, len) = data_ptr(v);
+    assert!(rows.is_multiple_of(MR) && BK >= nk && ldo >= nvp * NR && alpha.len() >= rows);
+    assert!(p.len() >= rows * BK);
+    assert!(nvp == 0 || nk == 0 || len >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
+    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
+    let args = (
+        p.as_ptr(),
+        rows,
+        live,
+        nk,
+        ptr,
+        vps,
+        ldv,
+        nvp,
+        o.as_mut_ptr(),
+        ldo,
+        alpha.as_ptr(),
+    );
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        match v {
+            Data::F32(_) => pv_impl::<F32>(
+                args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, args.10,
+            ),
+            Data::BF16(_) => pv_impl::<BF16>(
+                args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, args.10,
+            ),
+            Data::F16(_) => pv_impl::<F16>(
+                args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, args.10,
+            ),
+        }
+    }
+}
+
+/// Base pointer and element count of a source slice.
+fn data_ptr(d: Data) -> (*const u8, usize) {
+    match d {
+        Data::F32(v) => (v.as_ptr() as *const u8, v.len()),
+        Data::BF16(v) => (v.as_ptr() as *const u8, v.len()),
+        Data::F16(v) => (v.as_ptr() as *const u8, v.len()),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn pv_impl(
+unsafe fn pv_impl<const T: u8>(
     p: *const f32,
     rows: usize,
     live: usize,
     nk: usize,
-    vp: *const f32,
+    vp: *const u8,
     vps: usize,
     ldv: usize,
     nvp: usize,
@@ -266,20 +348,20 @@ unsafe fn pv_impl(
         let mut n = 0;
         while n < nvp {
             let two = n + 1 < nvp;
-            let args = (p, nk, vp.add(n * vps), vps, ldv);
+            let args = (p, nk, vp, n * vps, vps, ldv);
             let op = o.add(n * NR);
             match (live, two) {
                 (0, _) => {}
-                (1, true) => pv_tile::<1, 2>(args, op, ldo, alpha),
-                (1, false) => pv_tile::<1, 1>(args, op, ldo, alpha),
-                (2, true) => pv_tile::<2, 2>(args, op, ldo, alpha),
-                (2, false) => pv_tile::<2, 1>(args, op, ldo, alpha),
-                (3, true) => pv_tile::<3, 2>(args, op, ldo, alpha),
-                (3, false) => pv_tile::<3, 1>(args, op, ldo, alpha),
-                (4, true) => pv_tile::<4, 2>(args, op, ldo, alpha),
-                (4, false) => pv_tile::<4, 1>(args, op, ldo, alpha),
-                (_, true) => pv_tile::<5, 2>(args, op, ldo, alpha),
-                (_, false) => pv_tile::<5, 1>(args, op, ldo, alpha),
+                (1, true) => pv_tile::<1, 2, T>(args, op, ldo, alpha),
+                (1, false) => pv_tile::<1, 1, T>(args, op, ldo, alpha),
+                (2, true) => pv_tile::<2, 2, T>(args, op, ldo, alpha),
+                (2, false) => pv_tile::<2, 1, T>(args, op, ldo, alpha),
+                (3, true) => pv_tile::<3, 2, T>(args, op, ldo, alpha),
+                (3, false) => pv_tile::<3, 1, T>(args, op, ldo, alpha),
+                (4, true) => pv_tile::<4, 2, T>(args, op, ldo, alpha),
+                (4, false) => pv_tile::<4, 1, T>(args, op, ldo, alpha),
+                (_, true) => pv_tile::<5, 2, T>(args, op, ldo, alpha),
+                (_, false) => pv_tile::<5, 1, T>(args, op, ldo, alpha),
             }
             n += if two { 2 } else { 1 };
         }
@@ -292,13 +374,13 @@ unsafe fn pv_impl(
         while st < nstrips {
             let both = st + 1 < nstrips;
             let r0 = st * MR;
-            let args = (p.add(r0 * BK), nk, vp.add(n * vps), vps, ldv);
+            let args = (p.add(r0 * BK), nk, vp, n * vps, vps, ldv);
             let (op, al) = (o.add(r0 * ldo + n * NR), alpha.add(r0));
             match (both, two) {
-                (true, true) => pv_tile::<12, 2>(args, op, ldo, al),
-                (true, false) => pv_tile::<12, 1>(args, op, ldo, al),
-                (false, true) => pv_tile::<6, 2>(args, op, ldo, al),
-                (false, false) => pv_tile::<6, 1>(args, op, ldo, al),
+                (true, true) => pv_tile::<12, 2, T>(args, op, ldo, al),
+                (true, false) => pv_tile::<12, 1, T>(args, op, ldo, al),
+                (false, true) => pv_tile::<6, 2, T>(args, op, ldo, al),
+                (false, false) => pv_tile::<6, 1, T>(args, op, ldo, al),
             }
             st += if both { 2 } else { 1 };
         }
@@ -306,14 +388,15 @@ unsafe fn pv_impl(
     }
 }
 
-/// `(P rows, key count, V panel, V panel stride, V row stride)`.
-type PvArgs = (*const f32, usize, *const f32, usize, usize);
+/// `(P rows, key count, V base, element offset of the first V panel, V panel stride,
+/// V row stride)`.
+type PvArgs = (*const f32, usize, *const u8, usize, usize, usize);
 
 /// One `R × (N·NR)` tile of `O = α·O + P·V`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn pv_tile<const R: usize, const N: usize>(
-    (ps, nk, vpp, vps, ldv): PvArgs,
+unsafe fn pv_tile<const R: usize, const N: usize, const T: u8>(
+    (ps, nk, vb, v0, vps, ldv): PvArgs,
     op: *mut f32,
     ldo: usize,
     alpha: *const f32,
@@ -328,7 +411,7 @@ unsafe fn pv_tile<const R: usize, const N: usize>(
     for j in 0..nk {
         let mut vv = [_mm512_setzero_ps(); N];
         for (ni, v) in vv.iter_mut().enumerate() {
-            *v = _mm512_loadu_ps(vpp.add(ni * vps + j * ldv));
+            *v = load16::<T>(vb, v0 + ni * vps + j * ldv);
         }
         for (r, row) in acc.iter_mut().enumerate() {
             let a = _mm512_set1_ps(*ps.add(r * BK + j));
@@ -373,12 +456,12 @@ pub(super) unsafe fn qk_dot(
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
-        qk_dot_impl(
+        qk_dot_impl::<F32>(
             q.as_ptr(),
             rows,
             live.min(rows),
             e,
-            k.as_ptr(),
+            k.as_ptr() as *const u8,
             ldk,
             nk,
             s.as_mut_ptr(),
@@ -387,14 +470,47 @@ pub(super) unsafe fn qk_dot(
     }
 }
 
+/// [`qk_dot`] with K rows read straight from the source (f32, bf16 or f16), widened in
+/// registers (decode path). Half-precision keys need `e % 16 == 0`.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn qk_dot_raw(
+    q: &[f32],
+    rows: usize,
+    live: usize,
+    e: usize,
+    k: Data,
+    ldk: usize,
+    nk: usize,
+    s: &mut [f32],
+    lds: usize,
+) {
+    let (ptr, len) = data_ptr(k);
+    assert!(rows.is_multiple_of(MR) && lds >= nk && q.len() >= rows * e);
+    assert!(matches!(k, Data::F32(_)) || e.is_multiple_of(16));
+    assert!(nk == 0 || len >= (nk - 1) * ldk + e);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
+    let (qp, live, sp) = (q.as_ptr(), live.min(rows), s.as_mut_ptr());
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        match k {
+            Data::F32(_) => qk_dot_impl::<F32>(qp, rows, live, e, ptr, ldk, nk, sp, lds),
+            Data::BF16(_) => qk_dot_impl::<BF16>(qp, rows, live, e, ptr, ldk, nk, sp, lds),
+            Data::F16(_) => qk_dot_impl::<F16>(qp, rows, live, e, ptr, ldk, nk, sp, lds),
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn qk_dot_impl(
+unsafe fn qk_dot_impl<const T: u8>(
     q: *const f32,
     rows: usize,
     live_rows: usize,
     e: usize,
-    k: *const f32,
+    k: *const u8,
     ldk: usize,
     nk: usize,
     s: *mut f32,
@@ -403,7 +519,7 @@ unsafe fn qk_dot_impl(
     let full = e / 16 * 16;
     let tm = tail_mask(e - full);
     if live_rows == 1 && rows == MR {
-        return qk_dot_row(q, e, k, ldk, nk, s);
+        return qk_dot_row::<T>(q, e, k, ldk, nk, s);
     }
     for strip in 0..rows / MR {
         let qs = q.add(strip * MR * e);
@@ -412,11 +528,11 @@ unsafe fn qk_dot_impl(
         while j < nk {
             // Four keys per pass (repeating the last key at the tail).
             let js = [j, (j + 1).min(nk - 1), (j + 2).min(nk - 1), (j + 3).min(nk - 1)];
-            let kps = js.map(|jj| k.add(jj * ldk));
+            let kps = js.map(|jj| jj * ldk);
             let mut acc = [[_mm512_setzero_ps(); 4]; MR];
             let mut x = 0;
             while x < full {
-                let kv = kps.map(|kp| _mm512_loadu_ps(kp.add(x)));
+                let kv = kps.map(|kp| load16::<T>(k, kp + x));
                 for (r, row) in acc.iter_mut().enumerate().take(live) {
                     let a = _mm512_loadu_ps(qs.add(r * e + x));
                     for c in 0..4 {
@@ -425,8 +541,10 @@ unsafe fn qk_dot_impl(
                 }
                 x += 16;
             }
-            if full < e {
-                let kv = kps.map(|kp| _mm512_maskz_loadu_ps(tm, kp.add(full)));
+            // (Only f32 keys have a tail: half-precision keys need `e % 16 == 0`.)
+            if full < e && T == F32 {
+                let kf = k as *const f32;
+                let kv = kps.map(|kp| _mm512_maskz_loadu_ps(tm, kf.add(kp + full)));
                 for (r, row) in acc.iter_mut().enumerate().take(live) {
                     let a = _mm512_maskz_loadu_ps(tm, qs.add(r * e + full));
                     for c in 0..4 {
@@ -500,26 +618,26 @@ unsafe fn reduce16(regs: [__m512; 16]) -> __m512 {
 /// reduced together by a transpose-and-add tree (45 shuffles/adds instead of 16 full
 /// horizontal reductions).
 #[target_feature(enable = "avx512f")]
-unsafe fn qk_dot_row(q: *const f32, e: usize, k: *const f32, ldk: usize, nk: usize, s: *mut f32) {
+unsafe fn qk_dot_row<const T: u8>(q: *const f32, e: usize, k: *const u8, ldk: usize, nk: usize, s: *mut f32) {
     let full = e / 16 * 16;
     let tm = tail_mask(e - full);
     let mut j = 0;
     while j < nk {
         let cnt = (nk - j).min(16);
-        let kps: [*const f32; 16] = std::array::from_fn(|c| k.add((j + c.min(cnt - 1)) * ldk));
+        let kps: [usize; 16] = std::array::from_fn(|c| (j + c.min(cnt - 1)) * ldk);
         let mut acc = [_mm512_setzero_ps(); 16];
         let mut x = 0;
         while x < full {
             let a = _mm512_loadu_ps(q.add(x));
             for c in 0..16 {
-                acc[c] = _mm512_fmadd_ps(a, _mm512_loadu_ps(kps[c].add(x)), acc[c]);
+                acc[c] = _mm512_fmadd_ps(a, load16::<T>(k, kps[c] + x), acc[c]);
             }
             x += 16;
         }
-        if full < e {
-            let a = _mm512_maskz_loadu_ps(tm, q.add(full));
+        if full < e && T == F32 {
+            let (a, kf) = (_mm512_maskz_loadu_ps(tm, q.add(full)), k as *const f32);
             for c in 0..16 {
-                acc[c] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(tm, kps[c].add(full)), acc[c]);
+                acc[c] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(tm, kf.add(kps[c] + full)), acc[c]);
             }
         }
         _mm512_mask_storeu_ps(s.add(j), tail_mask_full(cnt), reduce16(acc));

@@ -914,8 +914,22 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 isa.qk(qpk, rows, e, kps, npanels, sb, BK);
             }
         };
+        // Half-precision decode on AVX-512 reads K/V rows straight from the source and
+        // widens them in registers; `raw_v` is then the V operand.
+        let mut raw_v = None;
         // (V operand, V panel stride, V row stride)
         let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
+            #[cfg(target_arch = "x86_64")]
+            KvSrc::Rows
+                if isa == Isa::Avx512 && e.is_multiple_of(16) && ev.is_multiple_of(16) && raw_rows_ok(p) =>
+            {
+                let (kd, ldk) = rows_raw(&p.k, bb, kvh, j0, nk, e);
+                let (vd, ldv) = rows_raw(&p.v, bb, kvh, j0, nk, ev);
+                // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
+                unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, ldk, nk, sb, BK) };
+                raw_v = Some(vd);
+                (&[][..], NR, ldv)
+            }
             KvSrc::Packed(grp) => {
                 let base = kb * (kbl + vbl);
                 qk(&grp[base..base + kbl], sb);
@@ -987,8 +1001,48 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                     );
                 }
             }
+        } else if let Some(vd) = raw_v {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `raw_v` is only set on the `Isa::Avx512` path.
+            unsafe {
+                avx512::pv_raw(sb, rows, n, nk, vd, vps, ldv, nvp, o, evp, alpha)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = vd;
         } else {
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
         }
     }
+}
+
+/// Whether the decode path can read K and V rows in place: half precision (f32 rows are
+/// already borrowed in place by `rows_f32`) with unit inner strides.
+#[cfg(target_arch = "x86_64")]
+fn raw_rows_ok(p: &Problem) -> bool {
+    use super::pack::Data;
+    let unit = |v: &View| v.strides[3] == 1;
+    !matches!(p.k.data, Data::F32(_)) && unit(&p.k) && unit(&p.v)
+}
+
+/// Rows `j0 .. j0 + nk` of `(b, kvh)` in place, as `(elements from the first row, row
+/// stride)`; `width` elements per row, unit inner stride.
+#[cfg(target_arch = "x86_64")]
+fn rows_raw<'a>(
+    src: &View<'a>,
+    b: usize,
+    kvh: usize,
+    j0: usize,
+    nk: usize,
+    width: usize,
+) -> (super::pack::Data<'a>, usize) {
+    use super::pack::Data;
+    let start = src.row_offset(b, kvh, j0);
+    let ld = src.strides[2];
+    let end = start + nk.saturating_sub(1) * ld + width;
+    let d = match src.data {
+        Data::F32(v) => Data::F32(&v[start..end]),
+        Data::F16(v) => Data::F16(&v[start..end]),
+        Data::BF16(v) => Data::BF16(&v[start..end]),
+    };
+    (d, ld)
 }
