@@ -17,10 +17,15 @@
 //!   kernel, so each K/V row is streamed once per GQA group. When there are fewer
 //!   groups than 2 × threads, the key range is split across items and merged with
 //!   log-sum-exp.
-//! * Register-blocked micro-kernels for `S = Q·Kᵀ` and `O = α·O + P·V` (6×16 tiles):
-//!   AVX2+FMA (`avx2`), NEON (`neon`) and a portable auto-vectorised fallback
-//!   (`portable`), chosen at runtime; a polynomial AVX2 `2^x` (`exp`) — scores are
-//!   kept in the log2 domain (`log2 e` folded into the query scale and the mask).
+//! * Register-blocked micro-kernels for `S = Q·Kᵀ` and `O = α·O + P·V`: AVX-512F 12×32
+//!   tiles (`avx512`), AVX2+FMA 6×16 tiles (`avx2`), NEON (`neon`) and a portable
+//!   auto-vectorised fallback (`portable`), chosen at runtime; a polynomial `2^x` (`exp`,
+//!   `avx512::exp2_512`) — scores are kept in the log2 domain (`log2 e` folded into the
+//!   query scale and the mask).
+//! * bf16/f16 on a CPU with AMX: both block products on the tile unit (`amx`, f32
+//!   accumulation) over 256-key super-blocks, with inputs split into exact bf16
+//!   components (see `amx` for the error bounds); the softmax stays in f32 on AVX-512.
+//! * Decode on AVX-512 reads f16/bf16 K/V rows in place and widens them in registers.
 //! * Causal / sliding-window visibility through loop bounds: hidden key blocks are
 //!   skipped, only edge blocks are masked, and on edge blocks each 6-row strip only
 //!   computes the key panels it can see. Optional additive mask with broadcasting.
