@@ -4,7 +4,7 @@
 use super::decode::{rows_f32, DECODE_MAX_ROWS, K_ALIGN, V_ALIGN};
 use super::exp::exp2_scalar;
 use super::pack::{
-    k_block_len, pack_k, pack_v, v_block_len, AlignedBuf, MaskView, OutElem, View, BK, MR, NR,
+    k_block_len, pack_k, pack_v, v_block_len, AVec, AlignedBuf, MaskView, OutElem, View, BK, MR, NR,
 };
 #[cfg(target_arch = "x86_64")]
 use super::{amx, avx512};
@@ -145,12 +145,12 @@ struct Scratch {
 #[cfg(target_arch = "x86_64")]
 #[derive(Default)]
 struct AmxBufs {
-    s: Vec<f32>,
-    qa: Vec<u16>,
-    pa: Vec<u16>,
-    ka: Vec<u16>,
-    va: Vec<u16>,
-    rows: Vec<u16>,
+    s: AVec<f32>,
+    qa: AVec<u16>,
+    pa: AVec<u16>,
+    ka: AVec<u16>,
+    va: AVec<u16>,
+    rows: AVec<u16>,
 }
 
 thread_local! {
@@ -464,7 +464,7 @@ fn prefill_amx<T: OutElem>(
     let blk_len = kbl + vbl;
     let group_len = kbn * blk_len;
     let cg = (p.pack_budget / (group_len * 2).max(1)).clamp(1, ngroups);
-    let mut pack = vec![0u16; cg * group_len];
+    let mut pack = AVec::<u16>::new(cg * group_len);
     let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
     let mut g0 = 0;
     while g0 < ngroups {
@@ -564,21 +564,13 @@ fn process_amx(
     } = sc;
     let qcs = rows * ep;
     let pcs = rows * SBK;
-    fn grow<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
-        if v.len() < n {
-            v.resize(n, T::default());
-        }
-    }
-    // Padding rows (`n..rows`) of Q, S, P and O hold stale values: a row of a tile
-    // product only depends on the same row of its A operand, and padding rows are never
-    // read back.
-    grow(&mut ab.qa, comps * BQ * ep);
-    grow(&mut ab.pa, plan.p_comps * BQ * SBK);
-    grow(&mut ab.s, BQ * SBK);
+    ab.qa.grow(comps * BQ * ep);
+    ab.pa.grow(plan.p_comps * BQ * SBK);
+    ab.s.grow(BQ * SBK);
     if packed.is_none() {
-        grow(&mut ab.ka, AMX_GROUP * kbl);
-        grow(&mut ab.va, AMX_GROUP * vbl);
-        grow(&mut ab.rows, comps * BK * ep.max(evp));
+        ab.ka.grow(AMX_GROUP * kbl);
+        ab.va.grow(AMX_GROUP * vbl);
+        ab.rows.grow(comps * BK * ep.max(evp));
     }
 
     let (mut lo_min, mut hi_max) = (usize::MAX, 0usize);
@@ -916,7 +908,8 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         };
         // Half-precision decode on AVX-512 reads K/V rows straight from the source and
         // widens them in registers; `raw_v` is then the V operand.
-        let mut raw_v = None;
+        #[allow(unused_mut)] // only assigned on x86-64
+        let mut raw_v: Option<super::pack::Data> = None;
         // (V operand, V panel stride, V row stride)
         let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
             #[cfg(target_arch = "x86_64")]

@@ -6,7 +6,7 @@
 //! writes its own contiguous output rows, so the weight streams through the cache once
 //! per row block.
 
-use super::pack::{MR, NR};
+use super::pack::{AVec, MR, NR};
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -71,13 +71,13 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     PACKS
         .with(|cell| {
             let mut guard = cell.try_borrow_mut();
-            let mut fresh = (Vec::new(), Vec::new());
+            let mut fresh = (AVec::default(), AVec::default());
             let (xs, wp) = match guard.as_deref_mut() {
                 Ok(bufs) => (&mut bufs.0, &mut bufs.1),
                 Err(_) => (&mut fresh.0, &mut fresh.1),
             };
-            xs.resize(rows_pad * inp, 0.0);
-            wp.resize(np * inp * NR, 0.0);
+            xs.grow(rows_pad * inp);
+            wp.grow(np * inp * NR);
             let y = product(
                 xv,
                 wv,
@@ -88,8 +88,8 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
             );
             // Keep at most `KEEP_FLOATS` per buffer, so a large layer's packs are not held.
             for v in [xs, wp] {
-                if v.capacity() > KEEP_FLOATS {
-                    *v = Vec::new();
+                if v.len() > KEEP_FLOATS {
+                    *v = AVec::default();
                 }
             }
             y
@@ -106,7 +106,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
 
 thread_local! {
     /// This thread's x and W packs, reused across calls.
-    static PACKS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    static PACKS: std::cell::RefCell<(AVec<f32>, AVec<f32>)> = std::cell::RefCell::new((AVec::default(), AVec::default()));
 }
 
 /// Packs `x` and `W` into `xs` and `wp` and returns the `(rows_pad, out_pad)` product.
