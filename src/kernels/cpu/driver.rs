@@ -204,6 +204,63 @@ impl Scratch {
     }
 }
 
+/// Largest K/V pack (bytes) a thread keeps for its next call.
+const KEEP_PACK_BYTES: usize = 16 << 20;
+
+thread_local! {
+    /// This thread's last K/V pack buffers (f32 and bf16 bits), reused by its next call:
+    /// a fresh multi-MB buffer costs a page fault per page or a full zeroing every call.
+    static PACKS_F32: RefCell<AVec<f32>> = RefCell::new(AVec::default());
+    static PACKS_U16: RefCell<AVec<u16>> = RefCell::new(AVec::default());
+}
+
+/// Element types with a per-thread pack cache.
+trait Cached: Copy + Default + 'static {
+    fn cell() -> &'static std::thread::LocalKey<RefCell<AVec<Self>>>;
+}
+impl Cached for f32 {
+    fn cell() -> &'static std::thread::LocalKey<RefCell<AVec<f32>>> {
+        &PACKS_F32
+    }
+}
+impl Cached for u16 {
+    fn cell() -> &'static std::thread::LocalKey<RefCell<AVec<u16>>> {
+        &PACKS_U16
+    }
+}
+
+/// A pack buffer taken from the thread's cache (or fresh), returned to it on drop when it
+/// is at most [`KEEP_PACK_BYTES`]. Its contents are stale: the packers overwrite every
+/// element of the blocks they fill.
+struct PackCache<T: Cached> {
+    buf: AVec<T>,
+}
+
+impl<T: Cached> PackCache<T> {
+    fn take(len: usize) -> Self {
+        let mut buf = T::cell().with(|c| {
+            c.try_borrow_mut()
+                .map(|mut b| std::mem::take(&mut *b))
+                .unwrap_or_default()
+        });
+        buf.grow(len);
+        PackCache { buf }
+    }
+}
+
+impl<T: Cached> Drop for PackCache<T> {
+    fn drop(&mut self) {
+        if self.buf.len() * std::mem::size_of::<T>() <= KEEP_PACK_BYTES {
+            let buf = std::mem::take(&mut self.buf);
+            T::cell().with(|c| {
+                if let Ok(mut b) = c.try_borrow_mut() {
+                    *b = buf;
+                }
+            });
+        }
+    }
+}
+
 /// Splits `len` rows starting at `start` into balanced chunks of at most [`BQ`] rows.
 fn split_rows(start: usize, len: usize, out: &mut Vec<(usize, usize)>) {
     if len == 0 {
@@ -396,12 +453,13 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
     let blk_len = kbl + vbl;
     let group_len = kbn * blk_len;
     let cg = (p.pack_budget / (group_len * 4).max(1)).clamp(1, ngroups);
-    let mut pack = AlignedBuf::new(cg * group_len);
+    let mut pack_guard = PackCache::<f32>::take(cg * group_len);
+    let pack = &mut pack_guard.buf;
     let nbg = gblocks.len();
     let mut g0 = 0;
     while g0 < ngroups {
         let gn = cg.min(ngroups - g0);
-        pack.as_mut_slice()[..gn * group_len]
+        pack[..gn * group_len]
             .par_chunks_mut(blk_len)
             .enumerate()
             .for_each_init(
@@ -426,7 +484,7 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
             })
             .collect();
         items.sort_by_key(|it| std::cmp::Reverse(it.cost));
-        let packed = pack.as_slice();
+        let packed = &pack[..];
         run_dynamic(items.len(), e, ev, |i, sc| {
             let it = items[i];
             let blk = blocks[it.blk];
@@ -464,7 +522,8 @@ fn prefill_amx<T: OutElem>(
     let blk_len = kbl + vbl;
     let group_len = kbn * blk_len;
     let cg = (p.pack_budget / (group_len * 2).max(1)).clamp(1, ngroups);
-    let mut pack = AVec::<u16>::new(cg * group_len);
+    let mut pack_guard = PackCache::<u16>::take(cg * group_len);
+    let pack = &mut pack_guard.buf;
     let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
     let mut g0 = 0;
     while g0 < ngroups {
