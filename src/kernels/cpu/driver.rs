@@ -441,7 +441,7 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
 
     #[cfg(target_arch = "x86_64")]
     if let Some(plan) = p.amx {
-        prefill_amx(p, plan, &blocks, &slots, nbg_of(&gblocks), &cost);
+        prefill_amx(p, plan, &blocks, &slots, gblocks.len(), &cost);
         return out;
     }
 
@@ -498,10 +498,6 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
         g0 += gn;
     }
     out
-}
-
-fn nbg_of(gblocks: &[(usize, usize)]) -> usize {
-    gblocks.len()
 }
 
 /// The prefill path on AMX: as the f32 prefill path, with bf16 VNNI packs.
