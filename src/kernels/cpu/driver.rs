@@ -439,110 +439,85 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
         return out;
     }
 
+    let nbg = gblocks.len();
     #[cfg(target_arch = "x86_64")]
     if let Some(plan) = p.amx {
-        prefill_amx(p, plan, &blocks, &slots, gblocks.len(), &cost);
+        // The prefill path on AMX: bf16 VNNI packs (see `amx`).
+        let (kbl, vbl) = (amx::k_len(e, plan.comps), amx::v_len(ev, plan.comps));
+        let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
+        prefill::<T, u16, _>(
+            p,
+            (&blocks, &slots, nbg, &cost),
+            (kbl, vbl),
+            || (vec![0f32; e.max(ev)], vec![0u16; stage]),
+            |(tmp, rows), (kc, vc), (bb, kvh, j0, nk)| {
+                // SAFETY: `p.amx` is only set after `amx::available()`.
+                unsafe {
+                    amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
+                    amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
+                }
+            },
+            |g| KvSrc::PackedAmx(g),
+        );
         return out;
     }
-
-    // Prefill path: pack K/V of a chunk of groups once (shared by all query heads of
-    // each GQA group and all their row blocks), then run the chunk's blocks.
-    let kbn = s.div_ceil(BK);
-    let kbl = k_block_len(BK, e);
-    let vbl = v_block_len(BK, ev);
-    let blk_len = kbl + vbl;
-    let group_len = kbn * blk_len;
-    let cg = (p.pack_budget / (group_len * 4).max(1)).clamp(1, ngroups);
-    let mut pack_guard = PackCache::<f32>::take(cg * group_len);
-    let pack = &mut pack_guard.buf;
-    let nbg = gblocks.len();
-    let mut g0 = 0;
-    while g0 < ngroups {
-        let gn = cg.min(ngroups - g0);
-        pack[..gn * group_len]
-            .par_chunks_mut(blk_len)
-            .enumerate()
-            .for_each_init(
-                || vec![0f32; NR * e.max(ev.div_ceil(NR) * NR)],
-                |tmp, (idx, chunk)| {
-                    let gi = g0 + idx / kbn;
-                    let kb = idx % kbn;
-                    let (bb, kvh) = (gi / hkv, gi % hkv);
-                    let j0 = kb * BK;
-                    let nk = BK.min(s - j0);
-                    let (kc, vc) = chunk.split_at_mut(kbl);
-                    pack_k(&p.k, bb, kvh, j0, nk, e, kc, tmp);
-                    pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
-                },
-            );
-        let mut items: Vec<Item> = (g0 * nbg..(g0 + gn) * nbg)
-            .map(|bi| Item {
-                blk: bi,
-                ks0: 0,
-                ks1: s,
-                cost: cost(&blocks[bi], 0, s),
-            })
-            .collect();
-        items.sort_by_key(|it| std::cmp::Reverse(it.cost));
-        let packed = &pack[..];
-        run_dynamic(items.len(), e, ev, |i, sc| {
-            let it = items[i];
-            let blk = blocks[it.blk];
-            let gl = blk.g - g0;
-            let grp = &packed[gl * group_len..(gl + 1) * group_len];
-            process(p, &blk, 0, s, KvSrc::Packed(grp), sc);
-            if let Some(dst) = lock(&slots[it.blk]).take() {
-                finish(p, blk.n, sc, dst);
-            }
-        });
-        g0 += gn;
-    }
+    prefill::<T, f32, _>(
+        p,
+        (&blocks, &slots, nbg, &cost),
+        (k_block_len(BK, e), v_block_len(BK, ev)),
+        || vec![0f32; NR * e.max(ev.div_ceil(NR) * NR)],
+        |tmp, (kc, vc), (bb, kvh, j0, nk)| {
+            pack_k(&p.k, bb, kvh, j0, nk, e, kc, tmp);
+            pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
+        },
+        |g| KvSrc::Packed(g),
+    );
     out
 }
 
-/// The prefill path on AMX: as the f32 prefill path, with bf16 VNNI packs.
-#[cfg(target_arch = "x86_64")]
-fn prefill_amx<T: OutElem>(
+/// `(blocks, output slots, row blocks per group, cost of a block's key range)`.
+type Blocks<'s, 'o, T> = (
+    &'s [Block],
+    &'s [Mutex<Option<&'o mut [T]>>],
+    usize,
+    &'s (dyn Fn(&Block, usize, usize) -> usize + Sync),
+);
+
+/// The prefill path: packs K/V of a chunk of groups once (shared by all query heads of
+/// each GQA group and all their row blocks), then runs the chunk's blocks, largest
+/// first. `pack(stage, (K block, V block), (batch, kv head, first key, keys))` fills one
+/// block pair of `(kbl, vbl)` elements with the thread's `stage` scratch from `init`;
+/// `src` wraps a group's packs for [`run_block`].
+fn prefill<T: OutElem, E: Cached + Send + Sync, S>(
     p: &Problem,
-    plan: amx::Plan,
-    blocks: &[Block],
-    slots: &[Mutex<Option<&mut [T]>>],
-    nbg: usize,
-    cost: &(dyn Fn(&Block, usize, usize) -> usize + Sync),
+    (blocks, slots, nbg, cost): Blocks<'_, '_, T>,
+    (kbl, vbl): (usize, usize),
+    init: impl Fn() -> S + Sync + Send,
+    pack: impl Fn(&mut S, (&mut [E], &mut [E]), (usize, usize, usize, usize)) + Sync + Send,
+    src: impl for<'g> Fn(&'g [E]) -> KvSrc<'g> + Sync,
 ) {
     let (hkv, s, e, ev) = (p.hkv, p.s, p.e, p.ev);
     let ngroups = p.b * hkv;
     let kbn = s.div_ceil(BK);
-    let kbl = amx::k_len(e, plan.comps);
-    let vbl = amx::v_len(ev, plan.comps);
     let blk_len = kbl + vbl;
     let group_len = kbn * blk_len;
-    let cg = (p.pack_budget / (group_len * 2).max(1)).clamp(1, ngroups);
-    let mut pack_guard = PackCache::<u16>::take(cg * group_len);
-    let pack = &mut pack_guard.buf;
-    let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
+    let elem = std::mem::size_of::<E>();
+    let cg = (p.pack_budget / (group_len * elem).max(1)).clamp(1, ngroups);
+    let mut pack_guard = PackCache::<E>::take(cg * group_len);
+    let buf = &mut pack_guard.buf;
     let mut g0 = 0;
     while g0 < ngroups {
         let gn = cg.min(ngroups - g0);
-        pack[..gn * group_len]
+        buf[..gn * group_len]
             .par_chunks_mut(blk_len)
             .enumerate()
-            .for_each_init(
-                || (vec![0f32; e.max(ev)], vec![0u16; stage]),
-                |(tmp, rows), (idx, chunk)| {
-                    let gi = g0 + idx / kbn;
-                    let kb = idx % kbn;
-                    let (bb, kvh) = (gi / hkv, gi % hkv);
-                    let j0 = kb * BK;
-                    let nk = BK.min(s - j0);
-                    let (kc, vc) = chunk.split_at_mut(kbl);
-                    // SAFETY: `p.amx` is only set after `amx::available()`.
-                    unsafe {
-                        amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
-                        amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
-                    }
-                },
-            );
+            .for_each_init(&init, |stage, (idx, chunk)| {
+                let gi = g0 + idx / kbn;
+                let kb = idx % kbn;
+                let j0 = kb * BK;
+                let (kc, vc) = chunk.split_at_mut(kbl);
+                pack(stage, (kc, vc), (gi / hkv, gi % hkv, j0, BK.min(s - j0)));
+            });
         let mut items: Vec<Item> = (g0 * nbg..(g0 + gn) * nbg)
             .map(|bi| Item {
                 blk: bi,
@@ -552,13 +527,19 @@ fn prefill_amx<T: OutElem>(
             })
             .collect();
         items.sort_by_key(|it| std::cmp::Reverse(it.cost));
-        let packed = &pack[..];
+        let packed = &buf[..];
         run_dynamic(items.len(), e, ev, |i, sc| {
             let it = items[i];
             let blk = blocks[it.blk];
             let gl = blk.g - g0;
-            let grp = &packed[gl * group_len..(gl + 1) * group_len];
-            run_block(p, &blk, 0, s, KvSrc::PackedAmx(grp), sc);
+            run_block(
+                p,
+                &blk,
+                0,
+                s,
+                src(&packed[gl * group_len..(gl + 1) * group_len]),
+                sc,
+            );
             if let Some(dst) = lock(&slots[it.blk]).take() {
                 finish(p, blk.n, sc, dst);
             }
