@@ -748,8 +748,8 @@ fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
 /// Σ p)`; when `m_new` is -inf, `hi` and `lo` are zero and `(−inf, 1, 0)` is returned.
 ///
 /// # Safety
-/// AVX-512F and AVX512-BF16 must be available; `hi` and `lo` hold `x.len()` elements;
-/// `a ≤ z ≤ x.len()`.
+/// AVX-512F and AVX512-BF16 must be available; `hi` (and `lo`, unless null) hold
+/// `x.len()` elements; `a ≤ z ≤ x.len()`.
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub(crate) unsafe fn softmax_row_bf16(
     x: &[f32],

@@ -68,40 +68,37 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
 
     // The packs live in buffers kept by the calling thread between calls: fresh multi-MB
     // allocations would page-fault on every call.
-    PACKS
-        .with(|cell| {
-            let mut guard = cell.try_borrow_mut();
-            let mut fresh = (AVec::default(), AVec::default());
-            let (xs, wp) = match guard.as_deref_mut() {
-                Ok(bufs) => (&mut bufs.0, &mut bufs.1),
-                Err(_) => (&mut fresh.0, &mut fresh.1),
-            };
-            xs.grow(rows_pad * inp);
-            wp.grow(np * inp * NR);
-            let y = product(
-                xv,
-                wv,
-                bv,
-                (rows, inp, out),
-                &mut xs[..rows_pad * inp],
-                &mut wp[..np * inp * NR],
-            );
-            // Keep at most `KEEP_FLOATS` per buffer, so a large layer's packs are not held.
-            for v in [xs, wp] {
-                if v.len() > KEEP_FLOATS {
-                    *v = AVec::default();
-                }
+    let y = PACKS.with(|cell| {
+        let mut guard = cell.try_borrow_mut();
+        let mut fresh = (AVec::default(), AVec::default());
+        let (xs, wp) = match guard.as_deref_mut() {
+            Ok(bufs) => (&mut bufs.0, &mut bufs.1),
+            Err(_) => (&mut fresh.0, &mut fresh.1),
+        };
+        xs.grow(rows_pad * inp);
+        wp.grow(np * inp * NR);
+        let y = product(
+            xv,
+            wv,
+            bv,
+            (rows, inp, out),
+            &mut xs[..rows_pad * inp],
+            &mut wp[..np * inp * NR],
+        );
+        // Keep at most `KEEP_FLOATS` per buffer, so a large layer's packs are not held.
+        for v in [xs, wp] {
+            if v.len() > KEEP_FLOATS {
+                *v = AVec::default();
             }
-            y
-        })
-        .and_then(|y| {
-            let y = Tensor::from_vec(y, (rows_pad, out_pad), x.device())?;
-            if rows_pad == rows && out_pad == out {
-                Ok(y)
-            } else {
-                y.narrow(0, 0, rows)?.narrow(1, 0, out)?.contiguous()
-            }
-        })
+        }
+        y
+    });
+    let y = Tensor::from_vec(y, (rows_pad, out_pad), x.device())?;
+    if rows_pad == rows && out_pad == out {
+        Ok(y)
+    } else {
+        y.narrow(0, 0, rows)?.narrow(1, 0, out)?.contiguous()
+    }
 }
 
 thread_local! {
@@ -117,33 +114,38 @@ fn product(
     (rows, inp, out): (usize, usize, usize),
     xs: &mut [f32],
     wp: &mut [f32],
-) -> Result<Vec<f32>> {
+) -> Vec<f32> {
     let rows_pad = rows.div_ceil(MR) * MR;
     let np = out.div_ceil(NR);
     let out_pad = np * NR;
-    // x strips: [strip][k][MR], zero rows past `rows`.
-    xs.fill(0.0);
+    // x strips: [strip][k][MR], zero rows past `rows` (every element is written: the
+    // buffers hold stale values from earlier calls).
     xs.par_chunks_mut(MR * inp).enumerate().for_each(|(st, strip)| {
         for rr in 0..MR {
             let r = st * MR + rr;
-            if r >= rows {
-                break;
-            }
-            for (k, &v) in xv[r * inp..(r + 1) * inp].iter().enumerate() {
-                strip[k * MR + rr] = v;
+            if r < rows {
+                for (k, &v) in xv[r * inp..(r + 1) * inp].iter().enumerate() {
+                    strip[k * MR + rr] = v;
+                }
+            } else {
+                for k in 0..inp {
+                    strip[k * MR + rr] = 0.0;
+                }
             }
         }
     });
     // W panels: [panel][k][NR], zero outputs past `out`.
-    wp.fill(0.0);
     wp.par_chunks_mut(inp * NR).enumerate().for_each(|(p, panel)| {
         for c in 0..NR {
             let o = p * NR + c;
-            if o >= out {
-                break;
-            }
-            for (k, &v) in wv[o * inp..(o + 1) * inp].iter().enumerate() {
-                panel[k * NR + c] = v;
+            if o < out {
+                for (k, &v) in wv[o * inp..(o + 1) * inp].iter().enumerate() {
+                    panel[k * NR + c] = v;
+                }
+            } else {
+                for k in 0..inp {
+                    panel[k * NR + c] = 0.0;
+                }
             }
         }
     });
@@ -180,7 +182,7 @@ fn product(
                 }
             }
         });
-    Ok(y)
+    y
 }
 
 fn f32_slice<'a>(st: &'a Storage, lay: &candle::Layout, t: &Tensor) -> Result<&'a [f32]> {
