@@ -192,8 +192,9 @@ pub(crate) unsafe fn split(src: &[f32], dst_len: usize, hi: *mut u16, lo: Option
 }
 
 /// Row `off` (`n` elements) of `src` as bf16 components into `hi` (and `lo`, which may
-/// be null when `comps == 1`), `dst_len` elements each, zero past `n`. bf16 sources with unit stride are
-/// copied bit for bit; others go through f32 (`tmp` holds `n` floats) and [`split`].
+/// be null when `comps == 1`), `dst_len` elements each, zero past `n`. With unit stride,
+/// bf16 sources are copied bit for bit and f16 sources split from their bits; others go
+/// through f32 (`tmp` holds `n` floats) and [`split`].
 ///
 /// # Safety
 /// As for [`split`].
@@ -216,8 +217,46 @@ pub(crate) unsafe fn row_components(
             return;
         }
     }
+    if let (Data::F16(d), 2) = (src.data, comps) {
+        if src.strides[3] == 1 || n <= 1 {
+            return split_f16(&d[off..off + n], dst_len, hi, lo);
+        }
+    }
     let row = src.row_f32(off, n, tmp);
     split(row, dst_len, hi, (comps > 1).then_some(lo));
+}
+
+/// [`split`] of f16 values into `hi + lo` straight from their bits (widened in registers).
+///
+/// # Safety
+/// As for [`split`]; `lo` holds `dst_len` elements too.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn split_f16(src: &[half::f16], dst_len: usize, hi: *mut u16, lo: *mut u16) {
+    let n = src.len();
+    let p = src.as_ptr() as *const u16;
+    let mut x = 0;
+    while x < dst_len {
+        let v = if x + 16 <= n {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.add(x) as *const __m256i))
+        } else {
+            let mut t = [0u16; 16];
+            if x < n {
+                std::ptr::copy_nonoverlapping(p.add(x), t.as_mut_ptr(), n - x);
+            }
+            _mm512_cvtph_ps(_mm256_loadu_si256(t.as_ptr() as *const __m256i))
+        };
+        let h = _mm512_cvtneps_pbh(v);
+        let l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, _mm512_cvtpbh_ps(h)));
+        _mm256_storeu_si256(
+            hi.add(x) as *mut __m256i,
+            std::mem::transmute::<__m256bh, __m256i>(h),
+        );
+        _mm256_storeu_si256(
+            lo.add(x) as *mut __m256i,
+            std::mem::transmute::<__m256bh, __m256i>(l),
+        );
+        x += 16;
+    }
 }
 
 /// Packs keys `j0 .. j0 + nk` (≤ [`BK`]) of `(b, kvh)` into `dst` ([`k_len`] elements).
