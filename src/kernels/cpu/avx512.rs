@@ -847,6 +847,26 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
     (m_new, alpha, sum)
 }
 
+/// `dst[x] = f16(src[x])`, rounding to nearest even (as `half::f16::from_f32`).
+///
+/// # Safety
+/// AVX-512F must be available.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn store_f16(dst: &mut [half::f16], src: &[f32]) {
+    let n = dst.len().min(src.len());
+    let mut x = 0;
+    while x + 16 <= n {
+        let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_loadu_ps(
+            src.as_ptr().add(x),
+        ));
+        _mm256_storeu_si256(dst.as_mut_ptr().add(x) as *mut __m256i, h);
+        x += 16;
+    }
+    for (d, &v) in dst[x..n].iter_mut().zip(&src[x..n]) {
+        *d = half::f16::from_f32(v);
+    }
+}
+
 /// `dst[x] = bf16(src[x])`, rounding to nearest even (as `half::bf16::from_f32`).
 ///
 /// # Safety

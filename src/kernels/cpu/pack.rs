@@ -348,6 +348,11 @@ impl OutElem for f32 {
 impl OutElem for f16 {
     #[inline]
     fn store(dst: &mut [f16], src: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F was detected just above.
+            return unsafe { super::avx512::store_f16(dst, src) };
+        }
         dst.convert_from_f32_slice(src);
     }
 }
