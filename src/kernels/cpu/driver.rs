@@ -571,8 +571,7 @@ fn process_amx(
     sc: &mut Scratch,
 ) {
     use amx::TM;
-    let (l, s, e, ev) = (p.l, p.s, p.e, p.ev);
-    let g_sz = p.group();
+    let (s, e, ev) = (p.s, p.e, p.ev);
     let (bb, kvh) = (blk.g / p.hkv, blk.g % p.hkv);
     let n = blk.n;
     let rtiles = n.div_ceil(TM);
@@ -609,15 +608,8 @@ fn process_amx(
         ab.rows.grow(comps * BK * ep.max(evp));
     }
 
-    let (mut lo_min, mut hi_max) = (usize::MAX, 0usize);
-    let (mut max_lo, mut min_hi) = (0usize, usize::MAX);
-    for r in 0..n {
-        let (hl, i) = ((blk.r0 + r) / l, (blk.r0 + r) % l);
-        let h = kvh * g_sz + hl;
-        hh[r] = h;
-        ii[r] = i;
-        let off = p.q.row_offset(bb, h, i);
-        let qa = ab.qa.as_mut_ptr();
+    let qa = ab.qa.as_mut_ptr();
+    let vis = block_rows(p, blk, (hh, ii, lo, hi), |r, off| {
         // SAFETY: `p.amx` is only set after `amx::available()`; row `r` of each
         // component holds `ep` elements of `ab.qa`.
         unsafe {
@@ -628,20 +620,14 @@ fn process_amx(
             };
             amx::row_components(&p.q, off, e, comps, ep, qa.add(r * ep), lo, tmp);
         }
-        let (a, z) = p.row_range(i);
-        lo[r] = a;
-        hi[r] = z;
-        if a < z {
-            lo_min = lo_min.min(a);
-            hi_max = hi_max.max(z);
-        }
-        max_lo = max_lo.max(a);
-        min_hi = min_hi.min(z);
-    }
-    o.as_mut_slice()[..rows * evp].fill(0.0);
-    m[..rows].fill(f32::NEG_INFINITY);
-    lsum[..rows].fill(0.0);
-    alpha[..rows].fill(1.0);
+    });
+    let Visible {
+        lo_min,
+        hi_max,
+        max_lo,
+        min_hi,
+    } = vis;
+    reset_accumulators(rows, evp, (o, m, lsum, alpha));
 
     let klo = lo_min.max(ks0);
     let khi = hi_max.min(ks1).min(s);
@@ -826,11 +812,68 @@ fn finish<T: OutElem>(p: &Problem, n: usize, sc: &mut Scratch, dst: &mut [T]) {
     }
 }
 
+/// Visible-key bounds of a block's rows: the union `[lo_min, hi_max)` of the rows'
+/// ranges, and `max_lo` / `min_hi` (a key block inside `[max_lo, min_hi)` is visible to
+/// every row).
+struct Visible {
+    lo_min: usize,
+    hi_max: usize,
+    max_lo: usize,
+    min_hi: usize,
+}
+
+/// Fills `(hh, ii, lo, hi)` (query head, position and visible key range of each of the
+/// block's rows), calls `read(r, offset of the row in q)` for each row, and returns the
+/// block's [`Visible`] bounds.
+fn block_rows(
+    p: &Problem,
+    blk: &Block,
+    (hh, ii, lo, hi): (&mut [usize], &mut [usize], &mut [usize], &mut [usize]),
+    mut read: impl FnMut(usize, usize),
+) -> Visible {
+    let (bb, kvh) = (blk.g / p.hkv, blk.g % p.hkv);
+    let mut v = Visible {
+        lo_min: usize::MAX,
+        hi_max: 0,
+        max_lo: 0,
+        min_hi: usize::MAX,
+    };
+    for r in 0..blk.n {
+        let (hl, i) = ((blk.r0 + r) / p.l, (blk.r0 + r) % p.l);
+        let h = kvh * p.group() + hl;
+        hh[r] = h;
+        ii[r] = i;
+        read(r, p.q.row_offset(bb, h, i));
+        let (a, z) = p.row_range(i);
+        lo[r] = a;
+        hi[r] = z;
+        if a < z {
+            v.lo_min = v.lo_min.min(a);
+            v.hi_max = v.hi_max.max(z);
+        }
+        v.max_lo = v.max_lo.max(a);
+        v.min_hi = v.min_hi.min(z);
+    }
+    v
+}
+
+/// Clears the online-softmax accumulators of `rows` rows: `o = 0`, `m = -inf`, `l = 0`,
+/// `alpha = 1`.
+fn reset_accumulators(
+    rows: usize,
+    evp: usize,
+    (o, m, l, alpha): (&mut AlignedBuf, &mut [f32], &mut [f32], &mut [f32]),
+) {
+    o.as_mut_slice()[..rows * evp].fill(0.0);
+    m[..rows].fill(f32::NEG_INFINITY);
+    l[..rows].fill(0.0);
+    alpha[..rows].fill(1.0);
+}
+
 /// Runs one block against keys `[ks0, ks1)` (multiples of [`BK`], or `ks1 == S`),
 /// leaving unnormalised `o`, running max `m` (log2 domain) and sum `l` in the scratch.
 fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mut Scratch) {
-    let (l, s, e, ev) = (p.l, p.s, p.e, p.ev);
-    let g_sz = p.group();
+    let (s, e, ev) = (p.s, p.e, p.ev);
     let (bb, kvh) = (blk.g / p.hkv, blk.g % p.hkv);
     let n = blk.n;
     let rows = n.div_ceil(ROW_ALIGN) * ROW_ALIGN;
@@ -861,14 +904,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
     let rows_mode = matches!(src, KvSrc::Rows);
     let qb = &mut q.as_mut_slice()[..rows * e];
     let qpm = &mut qp.as_mut_slice()[..rows * e];
-    let (mut lo_min, mut hi_max) = (usize::MAX, 0usize);
-    let (mut max_lo, mut min_hi) = (0usize, usize::MAX);
-    for r in 0..n {
-        let (hl, i) = ((blk.r0 + r) / l, (blk.r0 + r) % l);
-        let h = kvh * g_sz + hl;
-        hh[r] = h;
-        ii[r] = i;
-        let off = p.q.row_offset(bb, h, i);
+    let vis = block_rows(p, blk, (hh, ii, lo, hi), |r, off| {
         let qrow = &mut qb[r * e..(r + 1) * e];
         p.q.read_row(off, qrow, p.scale * LOG2_E);
         if !rows_mode {
@@ -878,16 +914,13 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 d[r % MR] = x;
             }
         }
-        let (a, z) = p.row_range(i);
-        lo[r] = a;
-        hi[r] = z;
-        if a < z {
-            lo_min = lo_min.min(a);
-            hi_max = hi_max.max(z);
-        }
-        max_lo = max_lo.max(a);
-        min_hi = min_hi.min(z);
-    }
+    });
+    let Visible {
+        lo_min,
+        hi_max,
+        max_lo,
+        min_hi,
+    } = vis;
     qb[n * e..].fill(0.0);
     if !rows_mode {
         for r in n..rows {
@@ -897,10 +930,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             }
         }
     }
-    o.as_mut_slice()[..rows * evp].fill(0.0);
-    m[..rows].fill(f32::NEG_INFINITY);
-    lsum[..rows].fill(0.0);
-    alpha[..rows].fill(1.0);
+    reset_accumulators(rows, evp, (o, m, lsum, alpha));
 
     let klo = lo_min.max(ks0);
     let khi = hi_max.min(ks1).min(s);
