@@ -26,6 +26,7 @@
 //! Everything here needs AMX-BF16 and AVX-512 (F, BF16) and, on Linux, the kernel's
 //! permission to use the tile data ([`available`] asks for it once per process).
 
+use super::avx512::{store_components, tail_mask_full};
 use super::pack::{Data, View, BK, NR};
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -156,37 +157,23 @@ pub(crate) unsafe fn release() {
     asm!("tilerelease", options(nostack, nomem));
 }
 
-/// Splits 16-lane groups of `src` into bf16 components: `hi[x] = bf16(src[x])` and, with
-/// `lo`, `lo[x] = bf16(src[x] − hi[x])`. Writes `dst_len` (≥ `src.len()`, a multiple of
-/// 16) elements, zero past `src.len()`.
+/// Splits 16-lane groups of `src` into bf16 components: `hi[x] = bf16(src[x])` and,
+/// unless `lo` is null, `lo[x] = bf16(src[x] − hi[x])`. Writes `dst_len` (≥ `src.len()`,
+/// a multiple of 16) elements, zero past `src.len()`.
 ///
 /// # Safety
 /// AVX-512F and AVX512-BF16 must be available; `hi` (and `lo`) hold `dst_len` elements.
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub(crate) unsafe fn split(src: &[f32], dst_len: usize, hi: *mut u16, lo: Option<*mut u16>) {
+pub(crate) unsafe fn split(src: &[f32], dst_len: usize, hi: *mut u16, lo: *mut u16) {
     let n = src.len();
     let mut x = 0;
     while x < dst_len {
-        let v = if x + 16 <= n {
-            _mm512_loadu_ps(src.as_ptr().add(x))
-        } else if x < n {
-            _mm512_maskz_loadu_ps(((1u32 << (n - x)) - 1) as __mmask16, src.as_ptr().add(x))
+        let v = if x < n {
+            _mm512_maskz_loadu_ps(tail_mask_full(n - x), src.as_ptr().add(x))
         } else {
             _mm512_setzero_ps()
         };
-        let h = _mm512_cvtneps_pbh(v);
-        _mm256_storeu_si256(
-            hi.add(x) as *mut __m256i,
-            std::mem::transmute::<__m256bh, __m256i>(h),
-        );
-        if let Some(lo) = lo {
-            let hf = _mm512_cvtpbh_ps(h);
-            let l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, hf));
-            _mm256_storeu_si256(
-                lo.add(x) as *mut __m256i,
-                std::mem::transmute::<__m256bh, __m256i>(l),
-            );
-        }
+        store_components(v, hi.add(x), if lo.is_null() { lo } else { lo.add(x) });
         x += 16;
     }
 }
@@ -223,7 +210,12 @@ pub(crate) unsafe fn row_components(
         }
     }
     let row = src.row_f32(off, n, tmp);
-    split(row, dst_len, hi, (comps > 1).then_some(lo));
+    split(
+        row,
+        dst_len,
+        hi,
+        if comps > 1 { lo } else { std::ptr::null_mut() },
+    );
 }
 
 /// [`split`] of f16 values into `hi + lo` straight from their bits (widened in registers).
@@ -245,16 +237,7 @@ unsafe fn split_f16(src: &[half::f16], dst_len: usize, hi: *mut u16, lo: *mut u1
             }
             _mm512_cvtph_ps(_mm256_loadu_si256(t.as_ptr() as *const __m256i))
         };
-        let h = _mm512_cvtneps_pbh(v);
-        let l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, _mm512_cvtpbh_ps(h)));
-        _mm256_storeu_si256(
-            hi.add(x) as *mut __m256i,
-            std::mem::transmute::<__m256bh, __m256i>(h),
-        );
-        _mm256_storeu_si256(
-            lo.add(x) as *mut __m256i,
-            std::mem::transmute::<__m256bh, __m256i>(l),
-        );
+        store_components(v, hi.add(x), lo.add(x));
         x += 16;
     }
 }

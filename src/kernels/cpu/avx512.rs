@@ -668,9 +668,25 @@ unsafe fn row_max_impl(x: &[f32]) -> f32 {
     _mm512_reduce_max_ps(_mm512_max_ps(m0, m1))
 }
 
+/// Stores 16 floats as bf16 components: `hi = bf16(v)` and, unless `lo` is null,
+/// `lo = bf16(v − hi)` (16 elements each).
+///
+/// # Safety
+/// AVX-512F and AVX512-BF16 must be available; `hi` (and `lo`) hold 16 elements.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn store_components(v: __m512, hi: *mut u16, lo: *mut u16) {
+    let h = _mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256(hi as *mut __m256i, std::mem::transmute::<__m256bh, __m256i>(h));
+    if !lo.is_null() {
+        let l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, _mm512_cvtpbh_ps(h)));
+        _mm256_storeu_si256(lo as *mut __m256i, std::mem::transmute::<__m256bh, __m256i>(l));
+    }
+}
+
 /// Lane mask of the first `n` (1..=16) lanes.
 #[inline]
-fn tail_mask_full(n: usize) -> __mmask16 {
+pub(crate) fn tail_mask_full(n: usize) -> __mmask16 {
     if n >= 16 {
         0xffff
     } else {
@@ -824,18 +840,11 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
         } else {
             s1 = _mm512_add_ps(s1, ei);
         }
-        let h = _mm512_cvtneps_pbh(ei);
-        _mm256_storeu_si256(
-            hi.add(i) as *mut __m256i,
-            std::mem::transmute::<__m256bh, __m256i>(h),
+        store_components(
+            ei,
+            hi.add(i),
+            if HI_ONLY { std::ptr::null_mut() } else { lo.add(i) },
         );
-        if !HI_ONLY {
-            let l = _mm512_cvtneps_pbh(_mm512_sub_ps(ei, _mm512_cvtpbh_ps(h)));
-            _mm256_storeu_si256(
-                lo.add(i) as *mut __m256i,
-                std::mem::transmute::<__m256bh, __m256i>(l),
-            );
-        }
         i += 16;
     }
     let sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
