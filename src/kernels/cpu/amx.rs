@@ -242,6 +242,36 @@ unsafe fn split_f16(src: &[half::f16], dst_len: usize, hi: *mut u16, lo: *mut u1
     }
 }
 
+/// Stages rows `j0 .. j0 + nk` of `(b, kvh)` as bf16 components in `rows`: component
+/// `c`, row `j` at `(c·BK + j)·wpad`, `width` elements zero-padded to `wpad`; rows
+/// `nk..BK` are zero (a padding key must not poison the products: 0 · NaN = NaN).
+///
+/// # Safety
+/// As for [`split`]; `rows` holds `comps × BK × wpad` elements, `tmp` `width` floats.
+unsafe fn stage_rows(
+    src: &View,
+    (b, kvh, j0, nk): (usize, usize, usize, usize),
+    (width, wpad): (usize, usize),
+    comps: usize,
+    rows: &mut [u16],
+    tmp: &mut [f32],
+) {
+    let rlen = BK * wpad;
+    for c in 0..comps {
+        rows[c * rlen + nk * wpad..(c + 1) * rlen].fill(0);
+    }
+    let base = rows.as_mut_ptr();
+    for j in 0..nk {
+        let off = src.row_offset(b, kvh, j0 + j);
+        let lo = if comps > 1 {
+            base.add(rlen + j * wpad)
+        } else {
+            std::ptr::null_mut()
+        };
+        row_components(src, off, width, comps, wpad, base.add(j * wpad), lo, tmp);
+    }
+}
+
 /// Packs keys `j0 .. j0 + nk` (≤ [`BK`]) of `(b, kvh)` into `dst` ([`k_len`] elements).
 /// `rows` is scratch of `comps × BK × e_pad(e)` elements, `tmp` of `e` floats.
 ///
@@ -263,20 +293,7 @@ pub(crate) unsafe fn pack_k(
     let ep = e_pad(e);
     let rlen = BK * ep;
     assert!(nk <= BK && dst.len() >= k_len(e, comps) && rows.len() >= comps * rlen && tmp.len() >= e);
-    // Rows `j < nk` are written whole below; the padding keys must be zero.
-    for c in 0..comps {
-        rows[c * rlen + nk * ep..(c + 1) * rlen].fill(0);
-    }
-    for j in 0..nk {
-        let off = k.row_offset(b, kvh, j0 + j);
-        let base = rows.as_mut_ptr();
-        let lo = if comps > 1 {
-            base.add(rlen + j * ep)
-        } else {
-            std::ptr::null_mut()
-        };
-        row_components(k, off, e, comps, ep, base.add(j * ep), lo, tmp);
-    }
+    stage_rows(k, (b, kvh, j0, nk), (e, ep), comps, rows, tmp);
     // VNNI: tile (panel, t) row r, key c = the u32 pair (2r, 2r + 1) of key
     // `panel·16 + c` in contraction tile t.
     let kt = ep / TK;
@@ -319,21 +336,7 @@ pub(crate) unsafe fn pack_v(
     let evp = ev.div_ceil(NR) * NR;
     let rlen = BK * evp;
     assert!(nk <= BK && dst.len() >= v_len(ev, comps) && rows.len() >= comps * rlen && tmp.len() >= ev);
-    // Rows `j < nk` are written whole below; the padding keys must be zero (0 · NaN
-    // would poison the products).
-    for c in 0..comps {
-        rows[c * rlen + nk * evp..(c + 1) * rlen].fill(0);
-    }
-    for j in 0..nk {
-        let off = v.row_offset(b, kvh, j0 + j);
-        let base = rows.as_mut_ptr();
-        let lo = if comps > 1 {
-            base.add(rlen + j * evp)
-        } else {
-            std::ptr::null_mut()
-        };
-        row_components(v, off, ev, comps, evp, base.add(j * evp), lo, tmp);
-    }
+    stage_rows(v, (b, kvh, j0, nk), (ev, evp), comps, rows, tmp);
     // VNNI: tile (panel, t) row r, column c = values (key t·32 + 2r, column panel·16 + c)
     // and (key t·32 + 2r + 1, same column).
     let nvp = evp / NR;
