@@ -1,6 +1,8 @@
 //! `Proj::forward` (the fused CPU product where it applies) agrees with candle's
-//! `matmul` reference on shapes that exercise the padding of rows (multiples of 6) and
-//! outputs (multiples of 16), several parallel row blocks, with and without bias.
+//! `matmul` reference on shapes that exercise partial row tiles (tiles of 14 rows),
+//! partial 16-output panels (masked stores) and an odd panel count, contraction lengths
+//! that are not multiples of 16 (the W pack's 16×16 transposes), several parallel row
+//! blocks, with and without bias.
 use candle_attention::Proj;
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -16,7 +18,7 @@ fn projection_matches_candle_matmul() -> Result<()> {
     // (rows, in, out): tiny (candle's path), row and output padding, > one row block.
     let shapes = [
         (3, 8, 8),
-        (12, 64, 64),
+        (14, 64, 64),
         (37, 100, 50),
         (300, 96, 129),
         (1024, 768, 768),

@@ -99,66 +99,185 @@ pub(super) unsafe fn qk(
     assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe {
-        qk_impl::<false>(
-            q.as_ptr(),
-            rows,
-            (0, e, e),
-            kp.as_ptr(),
-            npanels,
-            s.as_mut_ptr(),
-            lds,
-        )
+    unsafe { qk_impl(q.as_ptr(), rows, e, kp.as_ptr(), npanels, s.as_mut_ptr(), lds) }
+}
+
+/// Transposes a 16×16 f32 block: row `i` of `dst` (stride `ldd`) receives column `i`
+/// of `src` (16 rows of stride `lds`). Unpacks of 32- and 64-bit elements, then two
+/// 128-bit lane shuffles.
+///
+/// # Safety
+/// AVX-512F must be available; `src` must hold 16 rows of 16 floats at stride `lds`,
+/// `dst` 16 rows at stride `ldd`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose16(src: *const f32, lds: usize, dst: *mut f32, ldd: usize) {
+    let r: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(src.add(i * lds)));
+    // t[2i], t[2i+1]: 32-bit interleaves of rows 2i and 2i+1.
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4i + c], 128-bit lane `L`: column `4L + c` of rows `4i..4i + 4`.
+    let mut u = [_mm512_setzero_ps(); 16];
+    for i in 0..4 {
+        let pd = |v: __m512| _mm512_castps_pd(v);
+        let (a, b, c, d) = (pd(t[4 * i]), pd(t[4 * i + 1]), pd(t[4 * i + 2]), pd(t[4 * i + 3]));
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    // Column `4L + c` gathers lane `L` of u[c], u[4 + c], u[8 + c], u[12 + c].
+    for c in 0..4 {
+        let x0 = _mm512_shuffle_f32x4::<0x44>(u[c], u[4 + c]);
+        let x1 = _mm512_shuffle_f32x4::<0xEE>(u[c], u[4 + c]);
+        let y0 = _mm512_shuffle_f32x4::<0x44>(u[8 + c], u[12 + c]);
+        let y1 = _mm512_shuffle_f32x4::<0xEE>(u[8 + c], u[12 + c]);
+        _mm512_storeu_ps(dst.add(c * ldd), _mm512_shuffle_f32x4::<0x88>(x0, y0));
+        _mm512_storeu_ps(dst.add((4 + c) * ldd), _mm512_shuffle_f32x4::<0xDD>(x0, y0));
+        _mm512_storeu_ps(dst.add((8 + c) * ldd), _mm512_shuffle_f32x4::<0x88>(x1, y1));
+        _mm512_storeu_ps(dst.add((12 + c) * ldd), _mm512_shuffle_f32x4::<0xDD>(x1, y1));
     }
 }
 
-/// `s += Q[:, k0..k1] · K[:, k0..k1]ᵀ` (`s =` unless `accumulate`) on the packed layouts of [`qk`] with full
-/// contraction length `e` (strips `[rows / MR][e][MR]`, panels `[npanels][e][NR]`):
-/// one contraction chunk of a longer product (the projection GEMM blocks `e` so that a
-/// panel pair stays in L1).
+/// Rows per [`gemm`] register tile.
+pub(crate) const GEMM_ROWS: usize = 14;
+
+/// One contraction chunk `k0..k1` of `y = x · Wᵀ (+ b)` for `strips · GEMM_ROWS` rows
+/// of `x`, read in place (row-major, row stride `ldx`), against `W` packed into
+/// 16-output panels `[npanels][e][NR]` (`e`: the full contraction length). `y` is
+/// row-major with row stride `ldy`; its first `out` columns are written (the last panel
+/// with a masked store). The first chunk (`!accumulate`) overwrites `y` with the product
+/// plus `b` (when given, `b.len() >= out`); later chunks add to it. Panel pairs are the
+/// outer loop, so a pair stays in L1 while the row strips stream past it.
 ///
 /// # Safety
-/// AVX-512F must be available.
+/// AVX-512F must be available, and `y` must hold `strips · GEMM_ROWS` rows of stride
+/// `ldy`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn qk_acc(
-    q: &[f32],
-    rows: usize,
-    e: usize,
-    (k0, k1): (usize, usize),
-    kp: &[f32],
-    npanels: usize,
-    s: &mut [f32],
-    lds: usize,
+pub(crate) unsafe fn gemm(
+    x: &[f32],
+    ldx: usize,
+    strips: usize,
+    (k0, k1, e): (usize, usize, usize),
+    wp: &[f32],
+    out: usize,
+    y: *mut f32,
+    ldy: usize,
+    b: Option<&[f32]>,
     accumulate: bool,
 ) {
-    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR && k0 <= k1 && k1 <= e);
-    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
-    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
-    // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe {
-        let (qp, kpp, sp) = (q.as_ptr(), kp.as_ptr(), s.as_mut_ptr());
-        if accumulate {
-            qk_impl::<true>(qp, rows, (k0, k1, e), kpp, npanels, sp, lds)
+    let npanels = out.div_ceil(NR);
+    let rows = strips * GEMM_ROWS;
+    assert!(k0 <= k1 && k1 <= e && ldx >= e && ldy >= out);
+    assert!(rows == 0 || x.len() >= (rows - 1) * ldx + e);
+    assert!(wp.len() >= npanels * e * NR && b.is_none_or(|b| b.len() >= out));
+    let bias = b.map_or(std::ptr::null(), |b| b.as_ptr());
+    let kc = k1 - k0;
+    let mask = |p: usize| -> __mmask16 {
+        let live = out - p * NR;
+        if live >= NR {
+            0xffff
         } else {
-            qk_impl::<false>(qp, rows, (k0, k1, e), kpp, npanels, sp, lds)
+            (1u16 << live) - 1
+        }
+    };
+    // SAFETY: `x` and `wp` bounds asserted above; the caller guarantees `y` and the
+    // features.
+    unsafe {
+        let mut p = 0;
+        while p < npanels {
+            let wpp = wp.as_ptr().add(p * e * NR + k0 * NR);
+            let bp = if bias.is_null() { bias } else { bias.add(p * NR) };
+            let two = p + 1 < npanels;
+            for st in 0..strips {
+                let xk = x.as_ptr().add(st * GEMM_ROWS * ldx + k0);
+                let yp = y.add(st * GEMM_ROWS * ldy + p * NR);
+                match (two, accumulate) {
+                    (true, true) => {
+                        gemm_tile::<2, true>(xk, ldx, kc, wpp, e * NR, yp, ldy, [mask(p), mask(p + 1)], bp)
+                    }
+                    (true, false) => {
+                        gemm_tile::<2, false>(xk, ldx, kc, wpp, e * NR, yp, ldy, [mask(p), mask(p + 1)], bp)
+                    }
+                    (false, true) => gemm_tile::<1, true>(xk, ldx, kc, wpp, e * NR, yp, ldy, [mask(p)], bp),
+                    (false, false) => gemm_tile::<1, false>(xk, ldx, kc, wpp, e * NR, yp, ldy, [mask(p)], bp),
+                }
+            }
+            p += if two { 2 } else { 1 };
         }
     }
 }
 
-/// `ACC`: add to `s` instead of overwriting it. `(k0, k1, e)`: the contraction chunk and
-/// the full contraction length (the strip and panel strides).
+/// A `GEMM_ROWS × (P·NR)` tile of [`gemm`]: rows of `x` broadcast from their row-major
+/// place, `P` consecutive W panels (stride `panel_len`), stores masked by `masks`.
+#[inline]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn qk_impl<const ACC: bool>(
+unsafe fn gemm_tile<const P: usize, const ACC: bool>(
+    x: *const f32,
+    ldx: usize,
+    kc: usize,
+    wpp: *const f32,
+    panel_len: usize,
+    y: *mut f32,
+    ldy: usize,
+    masks: [__mmask16; P],
+    bias: *const f32,
+) {
+    let mut acc = [[_mm512_setzero_ps(); P]; GEMM_ROWS];
+    for (r, row) in acc.iter_mut().enumerate() {
+        for (pi, v) in row.iter_mut().enumerate() {
+            if ACC {
+                *v = _mm512_maskz_loadu_ps(masks[pi], y.add(r * ldy + pi * NR));
+            } else if !bias.is_null() {
+                *v = _mm512_maskz_loadu_ps(masks[pi], bias.add(pi * NR));
+            }
+        }
+    }
+    if P == 2 {
+        let mut a2 = [[_mm512_setzero_ps(); 2]; GEMM_ROWS];
+        for (d, s) in a2.iter_mut().zip(acc.iter()) {
+            d.copy_from_slice(&s[..2]);
+        }
+        gemm_loop_2p(&mut a2, x, ldx, kc, wpp, panel_len);
+        for (d, s) in acc.iter_mut().zip(a2.iter()) {
+            d.copy_from_slice(&s[..P]);
+        }
+    } else {
+        for k in 0..kc {
+            let mut wv = [_mm512_setzero_ps(); P];
+            for (pi, v) in wv.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(wpp.add(pi * panel_len + k * NR));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = _mm512_set1_ps(*x.add(r * ldx + k));
+                for pi in 0..P {
+                    row[pi] = _mm512_fmadd_ps(a, wv[pi], row[pi]);
+                }
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (pi, &v) in row.iter().enumerate() {
+            _mm512_mask_storeu_ps(y.add(r * ldy + pi * NR), masks[pi], v);
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_impl(
     q: *const f32,
     rows: usize,
-    (k0, k1, e): (usize, usize, usize),
+    e: usize,
     kp: *const f32,
     npanels: usize,
     s: *mut f32,
     lds: usize,
 ) {
     let nstrips = rows / MR;
-    let kc = k1 - k0;
     // Panel-pair outer: two K panels (32 keys × E) stay in L1 while Q strips stream.
     let mut p = 0;
     while p < npanels {
@@ -167,14 +286,14 @@ unsafe fn qk_impl<const ACC: bool>(
         while st < nstrips {
             let both = st + 1 < nstrips;
             let sp = s.add(st * MR * lds + p * NR);
-            let qs = q.add(st * MR * e + k0 * MR);
-            let kpp = kp.add(p * e * NR + k0 * NR);
+            let qs = q.add(st * MR * e);
+            let kpp = kp.add(p * e * NR);
             let strides = (MR * e, e * NR);
             match (both, two) {
-                (true, true) => qk_tile::<2, 2, ACC>(qs, kc, strides, kpp, sp, lds),
-                (true, false) => qk_tile::<2, 1, ACC>(qs, kc, strides, kpp, sp, lds),
-                (false, true) => qk_tile::<1, 2, ACC>(qs, kc, strides, kpp, sp, lds),
-                (false, false) => qk_tile::<1, 1, ACC>(qs, kc, strides, kpp, sp, lds),
+                (true, true) => qk_tile::<2, 2>(qs, e, strides, kpp, sp, lds),
+                (true, false) => qk_tile::<2, 1>(qs, e, strides, kpp, sp, lds),
+                (false, true) => qk_tile::<1, 2>(qs, e, strides, kpp, sp, lds),
+                (false, false) => qk_tile::<1, 1>(qs, e, strides, kpp, sp, lds),
             }
             st += if both { 2 } else { 1 };
         }
@@ -186,7 +305,7 @@ unsafe fn qk_impl<const ACC: bool>(
 /// panels over `kc` contraction steps (strip and panel strides `strides`).
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn qk_tile<const S: usize, const P: usize, const ACC: bool>(
+unsafe fn qk_tile<const S: usize, const P: usize>(
     qs: *const f32,
     kc: usize,
     (strip_len, panel_len): (usize, usize),
@@ -195,13 +314,6 @@ unsafe fn qk_tile<const S: usize, const P: usize, const ACC: bool>(
     lds: usize,
 ) {
     let mut acc = [[_mm512_setzero_ps(); P]; 12];
-    if ACC {
-        for (r, row) in acc.iter_mut().enumerate().take(S * MR) {
-            for (pi, v) in row.iter_mut().enumerate() {
-                *v = _mm512_loadu_ps(sp.add(r * lds + pi * NR));
-            }
-        }
-    }
     for x in 0..kc {
         let mut kv = [_mm512_setzero_ps(); P];
         for (pi, k) in kv.iter_mut().enumerate() {
@@ -221,6 +333,125 @@ unsafe fn qk_tile<const S: usize, const P: usize, const ACC: bool>(
         for (pi, &v) in row.iter().enumerate() {
             _mm512_storeu_ps(sp.add(r * lds + pi * NR), v);
         }
+    }
+}
+
+/// The contraction loop of a `GEMM_ROWS`×32 [`gemm_tile`] in assembly: per step two W
+/// loads, `GEMM_ROWS` broadcasts and `2·GEMM_ROWS` FMAs. Rows are addressed as
+/// `group + j·ldx` (one group pointer per four rows, `j < 4`), so the loop carries no
+/// per-row integer work competing with the FMAs for execution ports (the compiled
+/// intrinsics recomputed row addresses each step).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn gemm_loop_2p(
+    acc: &mut [[__m512; 2]; GEMM_ROWS],
+    x: *const f32,
+    ldx: usize,
+    kc: usize,
+    w: *const f32,
+    panel_len: usize,
+) {
+    if kc == 0 {
+        return;
+    }
+    // SAFETY: the caller guarantees `GEMM_ROWS` rows of `kc` elements at stride `ldx`
+    // from `x`, and two panels of `kc` steps of 16 floats at `w` and `w + panel_len`.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            "vmovups zmm28, zmmword ptr [{w}]",
+            "vmovups zmm29, zmmword ptr [{w} + {pl}]",
+            "vbroadcastss zmm30, dword ptr [{g0}]",
+            "vfmadd231ps zmm0, zmm30, zmm28",
+            "vfmadd231ps zmm1, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g0} + {l}]",
+            "vfmadd231ps zmm2, zmm30, zmm28",
+            "vfmadd231ps zmm3, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g0} + {l}*2]",
+            "vfmadd231ps zmm4, zmm30, zmm28",
+            "vfmadd231ps zmm5, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g0} + {l3}]",
+            "vfmadd231ps zmm6, zmm30, zmm28",
+            "vfmadd231ps zmm7, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g1}]",
+            "vfmadd231ps zmm8, zmm30, zmm28",
+            "vfmadd231ps zmm9, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g1} + {l}]",
+            "vfmadd231ps zmm10, zmm30, zmm28",
+            "vfmadd231ps zmm11, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g1} + {l}*2]",
+            "vfmadd231ps zmm12, zmm30, zmm28",
+            "vfmadd231ps zmm13, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g1} + {l3}]",
+            "vfmadd231ps zmm14, zmm30, zmm28",
+            "vfmadd231ps zmm15, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g2}]",
+            "vfmadd231ps zmm16, zmm30, zmm28",
+            "vfmadd231ps zmm17, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g2} + {l}]",
+            "vfmadd231ps zmm18, zmm30, zmm28",
+            "vfmadd231ps zmm19, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g2} + {l}*2]",
+            "vfmadd231ps zmm20, zmm30, zmm28",
+            "vfmadd231ps zmm21, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g2} + {l3}]",
+            "vfmadd231ps zmm22, zmm30, zmm28",
+            "vfmadd231ps zmm23, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g3}]",
+            "vfmadd231ps zmm24, zmm30, zmm28",
+            "vfmadd231ps zmm25, zmm30, zmm29",
+            "vbroadcastss zmm30, dword ptr [{g3} + {l}]",
+            "vfmadd231ps zmm26, zmm30, zmm28",
+            "vfmadd231ps zmm27, zmm30, zmm29",
+            "add {g0}, 4",
+            "add {g1}, 4",
+            "add {g2}, 4",
+            "add {g3}, 4",
+            "add {w}, 64",
+            "dec {k}",
+            "jnz 2b",
+            inout("zmm0") acc[0][0],
+            inout("zmm1") acc[0][1],
+            inout("zmm2") acc[1][0],
+            inout("zmm3") acc[1][1],
+            inout("zmm4") acc[2][0],
+            inout("zmm5") acc[2][1],
+            inout("zmm6") acc[3][0],
+            inout("zmm7") acc[3][1],
+            inout("zmm8") acc[4][0],
+            inout("zmm9") acc[4][1],
+            inout("zmm10") acc[5][0],
+            inout("zmm11") acc[5][1],
+            inout("zmm12") acc[6][0],
+            inout("zmm13") acc[6][1],
+            inout("zmm14") acc[7][0],
+            inout("zmm15") acc[7][1],
+            inout("zmm16") acc[8][0],
+            inout("zmm17") acc[8][1],
+            inout("zmm18") acc[9][0],
+            inout("zmm19") acc[9][1],
+            inout("zmm20") acc[10][0],
+            inout("zmm21") acc[10][1],
+            inout("zmm22") acc[11][0],
+            inout("zmm23") acc[11][1],
+            inout("zmm24") acc[12][0],
+            inout("zmm25") acc[12][1],
+            inout("zmm26") acc[13][0],
+            inout("zmm27") acc[13][1],
+            out("zmm28") _,
+            out("zmm29") _,
+            out("zmm30") _,
+            g0 = inout(reg) x => _,
+            g1 = inout(reg) x.add(4 * ldx) => _,
+            g2 = inout(reg) x.add(8 * ldx) => _,
+            g3 = inout(reg) x.add(12 * ldx) => _,
+            w = inout(reg) w => _,
+            k = inout(reg) kc => _,
+            l = in(reg) ldx * 4,
+            l3 = in(reg) ldx * 12,
+            pl = in(reg) panel_len * 4,
+            options(nostack, readonly),
+        );
     }
 }
 

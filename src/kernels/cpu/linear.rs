@@ -1,16 +1,16 @@
-//! `y = x · Wᵀ + b` in f32 on the AVX-512 score micro-kernel: the projection is the same
-//! product as `S = Q·Kᵀ`, with the rows of `x` as queries and the rows of `W` as keys.
-//!
-//! `x` is strip-packed once (`[rows / MR][in][MR]`), `W` is packed once into 16-output
-//! panels (`[out / 16][in][16]`), and row blocks of [`ROWS`] rows run in parallel; each
-//! writes its own contiguous output rows, so the weight streams through the cache once
-//! per row block.
+//! `y = x · Wᵀ + b` in f32 on an AVX-512 register-tiled product ([`avx512::gemm`]):
+//! 14-row × 32-output tiles whose rows of `x` are broadcast from their row-major place
+//! (no copy of `x`), against `W` packed once per call into 16-output panels
+//! (`[out / 16][in][16]`, by 16×16 transposes). Row blocks of about [`ROWS`] rows run in
+//! parallel; each writes its own contiguous output rows, so the weight streams through
+//! the cache once per row block. The bias is the accumulators' starting value.
 
-use super::pack::{AVec, MR, NR};
+use super::avx512::{self, GEMM_ROWS};
+use super::pack::{AVec, NR};
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
 use rayon::prelude::*;
 
-/// Rows per parallel work item (a multiple of 2·[`MR`], the 12-row register tile).
+/// Rows per parallel work item (about; whole register tiles).
 const ROWS: usize = 144;
 /// Contraction chunk.
 const KC: usize = 256;
@@ -28,7 +28,7 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
         && x.dtype() == DType::F32
         && w.dtype() == DType::F32
         && inp == win
-        && rows >= 2 * MR
+        && rows >= GEMM_ROWS
         && inp * out >= 4096
         && cfg!(target_arch = "x86_64")
         && super::Isa::selected() == super::Isa::Avx512
@@ -62,85 +62,63 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
         (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
         _ => None,
     };
-    let rows_pad = rows.div_ceil(MR) * MR;
     let np = out.div_ceil(NR);
-    let out_pad = np * NR;
-
-    // The packs live in buffers kept by the calling thread between calls: fresh multi-MB
-    // allocations would page-fault on every call.
-    let y = PACKS.with(|cell| {
+    // The W pack lives in a buffer kept by the calling thread between calls: a fresh
+    // multi-MB allocation would page-fault on every call.
+    let y = PACK.with(|cell| {
         let mut guard = cell.try_borrow_mut();
-        let mut fresh = (AVec::default(), AVec::default());
-        let (xs, wp) = match guard.as_deref_mut() {
-            Ok(bufs) => (&mut bufs.0, &mut bufs.1),
-            Err(_) => (&mut fresh.0, &mut fresh.1),
+        let mut fresh = AVec::default();
+        let wp = match guard.as_deref_mut() {
+            Ok(buf) => buf,
+            Err(_) => &mut fresh,
         };
-        xs.grow(rows_pad * inp);
         wp.grow(np * inp * NR);
-        let y = product(
-            xv,
-            wv,
-            bv,
-            (rows, inp, out),
-            &mut xs[..rows_pad * inp],
-            &mut wp[..np * inp * NR],
-        );
-        // Keep at most `KEEP_FLOATS` per buffer, so a large layer's packs are not held.
-        for v in [xs, wp] {
-            if v.len() > KEEP_FLOATS {
-                *v = AVec::default();
-            }
+        let y = product(xv, wv, bv, (rows, inp, out), &mut wp[..np * inp * NR]);
+        // Keep at most `KEEP_FLOATS`, so a large layer's pack is not held.
+        if wp.len() > KEEP_FLOATS {
+            *wp = AVec::default();
         }
         y
     });
-    let y = Tensor::from_vec(y, (rows_pad, out_pad), x.device())?;
-    if rows_pad == rows && out_pad == out {
-        Ok(y)
-    } else {
-        y.narrow(0, 0, rows)?.narrow(1, 0, out)?.contiguous()
-    }
+    Tensor::from_vec(y, (rows, out), x.device())
 }
 
 thread_local! {
-    /// This thread's x and W packs, reused across calls.
-    static PACKS: std::cell::RefCell<(AVec<f32>, AVec<f32>)> = std::cell::RefCell::new((AVec::default(), AVec::default()));
+    /// This thread's W pack, reused across calls.
+    static PACK: std::cell::RefCell<AVec<f32>> = std::cell::RefCell::new(AVec::default());
 }
 
-/// Packs `x` and `W` into `xs` and `wp` and returns the `(rows_pad, out_pad)` product.
+/// Packs `W` into `wp` and returns the `(rows, out)` product, `x` read in place.
 fn product(
     xv: &[f32],
     wv: &[f32],
     bv: Option<&[f32]>,
     (rows, inp, out): (usize, usize, usize),
-    xs: &mut [f32],
     wp: &mut [f32],
 ) -> Vec<f32> {
-    let rows_pad = rows.div_ceil(MR) * MR;
-    let np = out.div_ceil(NR);
-    let out_pad = np * NR;
-    // x strips: [strip][k][MR], zero rows past `rows` (every element is written: the
-    // buffers hold stale values from earlier calls).
-    xs.par_chunks_mut(MR * inp).enumerate().for_each(|(st, strip)| {
-        for rr in 0..MR {
-            let r = st * MR + rr;
-            if r < rows {
-                for (k, &v) in xv[r * inp..(r + 1) * inp].iter().enumerate() {
-                    strip[k * MR + rr] = v;
-                }
-            } else {
-                for k in 0..inp {
-                    strip[k * MR + rr] = 0.0;
-                }
-            }
-        }
-    });
-    // W panels: [panel][k][NR], zero outputs past `out`.
+    // W panels: [panel][k][NR], zero outputs past `out` (every element is written: the
+    // buffer holds stale values from earlier calls).
     wp.par_chunks_mut(inp * NR).enumerate().for_each(|(p, panel)| {
+        // Full panels in 16×16 blocks; the rest element by element.
+        let blocked = if (p + 1) * NR <= out { inp / NR * NR } else { 0 };
+        for k0 in (0..blocked).step_by(NR) {
+            // SAFETY: `applies` selected the AVX-512 kernel; the block's 16 rows of 16
+            // are inside `wv` (outputs `p·16..p·16 + 16 <= out`, `k0 + 16 <= inp`) and
+            // its 16 panel rows inside `panel`.
+            unsafe {
+                avx512::transpose16(
+                    wv.as_ptr().add(p * NR * inp + k0),
+                    inp,
+                    panel.as_mut_ptr().add(k0 * NR),
+                    NR,
+                )
+            };
+        }
         for c in 0..NR {
             let o = p * NR + c;
             if o < out {
-                for (k, &v) in wv[o * inp..(o + 1) * inp].iter().enumerate() {
-                    panel[k * NR + c] = v;
+                for (k, &v) in wv[o * inp + blocked..(o + 1) * inp].iter().enumerate() {
+                    panel[(blocked + k) * NR + c] = v;
                 }
             } else {
                 for k in 0..inp {
@@ -149,39 +127,86 @@ fn product(
             }
         }
     });
+    let wp = &*wp;
 
-    let (xs, wp) = (&*xs, &*wp);
-    let mut y = vec![0f32; rows_pad * out_pad];
-    // Row blocks of at most `ROWS` rows, as many as a multiple of the thread count, so the
+    let mut y: Vec<f32> = Vec::with_capacity(rows * out);
+    // Row blocks of about `ROWS` rows, as many as a multiple of the thread count, with
+    // whole register tiles split evenly (block sizes differ by at most one tile), so the
     // threads get equal work.
     let nt = rayon::current_num_threads().max(1);
-    let nblk = rows_pad.div_ceil(ROWS).div_ceil(nt) * nt;
-    let blk_rows = rows_pad.div_ceil(nblk).div_ceil(2 * MR) * 2 * MR;
-    y.par_chunks_mut(blk_rows * out_pad)
-        .enumerate()
-        .for_each(|(blk, ys)| {
-            let r0 = blk * blk_rows;
-            let n = ys.len() / out_pad;
-            let xb = &xs[r0 * inp..(r0 + n) * inp];
+    let tiles = rows.div_ceil(GEMM_ROWS);
+    let nblk = rows.div_ceil(ROWS).div_ceil(nt) * nt;
+    let mut blocks = Vec::with_capacity(nblk);
+    let mut rest = &mut y.spare_capacity_mut()[..rows * out];
+    for i in 0..nblk {
+        let r0 = (i * tiles / nblk * GEMM_ROWS).min(rows);
+        let r1 = ((i + 1) * tiles / nblk * GEMM_ROWS).min(rows);
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut((r1 - r0) * out);
+        blocks.push((r0, head));
+        rest = tail;
+    }
+    blocks
+        .into_par_iter()
+        .filter(|(_, ys)| !ys.is_empty())
+        .for_each(|(r0, ys)| {
+            let n = ys.len() / out;
+            let full = n / GEMM_ROWS * GEMM_ROWS;
+            let yp = ys.as_mut_ptr() as *mut f32;
+            // Rows past the last full tile go through a zero-padded copy.
+            let tail = n - full;
+            let mut xt = vec![0f32; if tail > 0 { GEMM_ROWS * inp } else { 0 }];
+            let mut yt = vec![0f32; if tail > 0 { GEMM_ROWS * out } else { 0 }];
+            if tail > 0 {
+                xt[..tail * inp].copy_from_slice(&xv[(r0 + full) * inp..(r0 + n) * inp]);
+            }
             // Contraction chunks of `KC`: a panel pair (2 × KC × 16 floats) stays in L1.
             let mut k0 = 0;
             while k0 < inp {
                 let k1 = (k0 + KC).min(inp);
-                // The first chunk overwrites `ys` (writing fresh pages first avoids a
-                // copy-on-write fault of the kernel's shared zero page, with its TLB
-                // shootdown); later chunks accumulate.
-                // SAFETY: `applies` selected the AVX-512 kernel, so the machine has it.
-                unsafe { super::avx512::qk_acc(xb, n, inp, (k0, k1), wp, np, ys, out_pad, k0 > 0) };
+                let bias = if k0 == 0 { bv } else { None };
+                // SAFETY: `applies` selected the AVX-512 kernel, so the machine has it;
+                // rows `0..full` of this block are inside `ys`. The first chunk writes
+                // every element before later chunks read them.
+                unsafe {
+                    avx512::gemm(
+                        &xv[r0 * inp..(r0 + full) * inp],
+                        inp,
+                        full / GEMM_ROWS,
+                        (k0, k1, inp),
+                        wp,
+                        out,
+                        yp,
+                        out,
+                        bias,
+                        k0 > 0,
+                    )
+                };
+                if tail > 0 {
+                    // SAFETY: as above, into the padded `yt` of `GEMM_ROWS` rows.
+                    unsafe {
+                        avx512::gemm(
+                            &xt,
+                            inp,
+                            1,
+                            (k0, k1, inp),
+                            wp,
+                            out,
+                            yt.as_mut_ptr(),
+                            out,
+                            bias,
+                            k0 > 0,
+                        )
+                    };
+                }
                 k0 = k1;
             }
-            if let Some(bv) = bv {
-                for row in ys.chunks_exact_mut(out_pad) {
-                    for (d, &bb) in row.iter_mut().zip(bv.iter()) {
-                        *d += bb;
-                    }
-                }
+            if tail > 0 {
+                // SAFETY: rows `full..n` of this block are inside `ys`.
+                unsafe { std::ptr::copy_nonoverlapping(yt.as_ptr(), yp.add(full * out), tail * out) };
             }
         });
+    // SAFETY: the row blocks above wrote all `rows · out` elements.
+    unsafe { y.set_len(rows * out) };
     y
 }
 
