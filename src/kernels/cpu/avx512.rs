@@ -68,6 +68,20 @@ const F32: u8 = 0;
 const BF16: u8 = 1;
 const F16: u8 = 2;
 
+/// How many keys ahead the decode kernels ask for K/V rows. They stream rows that are
+/// each read once, and the hardware prefetchers stop at page boundaries; 16 rows ahead
+/// measured best among 4, 8, 16 and 32 on `decode_gqa` and `decode_b4`.
+const PF_KEYS: usize = 16;
+
+/// Asks for the cache line holding element `idx` of kind `T` at `p`: a hint that never
+/// faults, so `idx` may run past the data.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn prefetch<const T: u8>(p: *const u8, idx: usize) {
+    let size = if T == F32 { 4 } else { 2 };
+    _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(idx * size));
+}
+
 /// 16 elements of kind `T` at element index `idx` of `p`, as f32.
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -642,6 +656,10 @@ unsafe fn pv_tile<const R: usize, const N: usize, const T: u8>(
     for j in 0..nk {
         let mut vv = [_mm512_setzero_ps(); N];
         for (ni, v) in vv.iter_mut().enumerate() {
+            if R < MR {
+                // Decode tiles stream V rows read once: ask for the row `PF_KEYS` ahead.
+                prefetch::<T>(vb, v0 + ni * vps + (j + PF_KEYS) * ldv);
+            }
             *v = load16::<T>(vb, v0 + ni * vps + j * ldv);
         }
         for (r, row) in acc.iter_mut().enumerate() {
@@ -763,6 +781,9 @@ unsafe fn qk_dot_impl<const T: u8>(
             let mut acc = [[_mm512_setzero_ps(); 4]; MR];
             let mut x = 0;
             while x < full {
+                for kp in kps {
+                    prefetch::<T>(k, kp + PF_KEYS * ldk + x);
+                }
                 let kv = kps.map(|kp| load16::<T>(k, kp + x));
                 for (r, row) in acc.iter_mut().enumerate().take(live) {
                     let a = _mm512_loadu_ps(qs.add(r * e + x));
@@ -861,6 +882,7 @@ unsafe fn qk_dot_row<const T: u8>(q: *const f32, e: usize, k: *const u8, ldk: us
         while x < full {
             let a = _mm512_loadu_ps(q.add(x));
             for c in 0..16 {
+                prefetch::<T>(k, kps[c] + PF_KEYS * ldk + x);
                 acc[c] = _mm512_fmadd_ps(a, load16::<T>(k, kps[c] + x), acc[c]);
             }
             x += 16;
