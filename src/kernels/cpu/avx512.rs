@@ -765,72 +765,96 @@ unsafe fn qk_dot_impl<const T: u8>(
     s: *mut f32,
     lds: usize,
 ) {
-    let full = e / 16 * 16;
-    let tm = tail_mask(e - full);
     if live_rows == 1 && rows == MR {
         return qk_dot_row::<T>(q, e, k, ldk, nk, s);
     }
     for strip in 0..rows / MR {
-        let qs = q.add(strip * MR * e);
-        let live = live_rows.saturating_sub(strip * MR).min(MR);
-        let mut j = 0;
-        while j < nk {
-            // Four keys per pass (repeating the last key at the tail).
-            let js = [j, (j + 1).min(nk - 1), (j + 2).min(nk - 1), (j + 3).min(nk - 1)];
-            let kps = js.map(|jj| jj * ldk);
-            let mut acc = [[_mm512_setzero_ps(); 4]; MR];
-            let mut x = 0;
-            while x < full {
-                for kp in kps {
-                    prefetch::<T>(k, kp + PF_KEYS * ldk + x);
-                }
-                let kv = kps.map(|kp| load16::<T>(k, kp + x));
-                for (r, row) in acc.iter_mut().enumerate().take(live) {
-                    let a = _mm512_loadu_ps(qs.add(r * e + x));
-                    for c in 0..4 {
-                        row[c] = _mm512_fmadd_ps(a, kv[c], row[c]);
-                    }
-                }
-                x += 16;
-            }
-            // (Only f32 keys have a tail: half-precision keys need `e % 16 == 0`.)
-            if full < e && T == F32 {
-                let kf = k as *const f32;
-                let kv = kps.map(|kp| _mm512_maskz_loadu_ps(tm, kf.add(kp + full)));
-                for (r, row) in acc.iter_mut().enumerate().take(live) {
-                    let a = _mm512_maskz_loadu_ps(tm, qs.add(r * e + full));
-                    for c in 0..4 {
-                        row[c] = _mm512_fmadd_ps(a, kv[c], row[c]);
-                    }
-                }
-            }
-            let r0 = strip * MR;
-            let cnt = (nk - j).min(4);
-            // Rows in groups of four: 16 registers → one register of 16 sums.
-            for g in 0..live.div_ceil(4) {
-                let regs: [__m512; 16] = std::array::from_fn(|i| {
-                    let r = 4 * g + i / 4;
-                    if r < live {
-                        acc[r][i % 4]
-                    } else {
-                        _mm512_setzero_ps()
-                    }
-                });
-                let mut sums = [0f32; 16];
-                _mm512_storeu_ps(sums.as_mut_ptr(), reduce16(regs));
-                for r in 4 * g..(4 * g + 4).min(live) {
-                    for c in 0..cnt {
-                        *s.add((r0 + r) * lds + j + c) = sums[(r - 4 * g) * 4 + c];
-                    }
-                }
-            }
-            for r in live..MR {
-                for c in 0..cnt {
-                    *s.add((r0 + r) * lds + j + c) = 0.0;
-                }
-            }
-            j += 4;
+        let (qs, sp) = (q.add(strip * MR * e), s.add(strip * MR * lds));
+        let args = (qs, e, k, ldk, nk, sp, lds);
+        match live_rows.saturating_sub(strip * MR).min(MR) {
+            0 => qk_dot_strip::<T, 0>(args),
+            1 => qk_dot_strip::<T, 1>(args),
+            2 => qk_dot_strip::<T, 2>(args),
+            3 => qk_dot_strip::<T, 3>(args),
+            4 => qk_dot_strip::<T, 4>(args),
+            5 => qk_dot_strip::<T, 5>(args),
+            _ => qk_dot_strip::<T, MR>(args),
         }
+    }
+}
+
+/// `(Q strip rows, E, K base, K row stride, key count, score rows, score row stride)`.
+type DotArgs = (*const f32, usize, *const u8, usize, usize, *mut f32, usize);
+
+/// One `MR`-row strip of [`qk_dot_impl`] whose first `LIVE` rows are real (the rest get
+/// zero scores): four keys per pass.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_dot_strip<const T: u8, const LIVE: usize>((qs, e, k, ldk, nk, s, lds): DotArgs) {
+    if LIVE == 0 {
+        for r in 0..MR {
+            std::ptr::write_bytes(s.add(r * lds), 0, nk);
+        }
+        return;
+    }
+    let full = e / 16 * 16;
+    let tm = tail_mask(e - full);
+    let mut j = 0;
+    while j < nk {
+        // Four keys per pass (repeating the last key at the tail).
+        let js = [j, (j + 1).min(nk - 1), (j + 2).min(nk - 1), (j + 3).min(nk - 1)];
+        let kps = js.map(|jj| jj * ldk);
+        let mut acc = [[_mm512_setzero_ps(); 4]; LIVE];
+        let mut x = 0;
+        while x < full {
+            for kp in kps {
+                prefetch::<T>(k, kp + PF_KEYS * ldk + x);
+            }
+            let kv = kps.map(|kp| load16::<T>(k, kp + x));
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = _mm512_loadu_ps(qs.add(r * e + x));
+                for c in 0..4 {
+                    row[c] = _mm512_fmadd_ps(a, kv[c], row[c]);
+                }
+            }
+            x += 16;
+        }
+        // (Only f32 keys have a tail: half-precision keys need `e % 16 == 0`.)
+        if full < e && T == F32 {
+            let kf = k as *const f32;
+            let kv = kps.map(|kp| _mm512_maskz_loadu_ps(tm, kf.add(kp + full)));
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = _mm512_maskz_loadu_ps(tm, qs.add(r * e + full));
+                for c in 0..4 {
+                    row[c] = _mm512_fmadd_ps(a, kv[c], row[c]);
+                }
+            }
+        }
+        let cnt = (nk - j).min(4) as u32;
+        // Rows in groups of four: 16 registers → one register of 16 sums, whose 128-bit
+        // lane `i` holds the four scores of row `4g + i`; each lane is stored in place by
+        // a masked store from a base shifted back by `4i` lanes.
+        for g in 0..LIVE.div_ceil(4) {
+            let regs: [__m512; 16] = std::array::from_fn(|i| {
+                let r = 4 * g + i / 4;
+                if r < LIVE {
+                    acc[r][i % 4]
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            let sums = reduce16(regs);
+            for i in 0..(LIVE - 4 * g).min(4) {
+                let dst = s.add((4 * g + i) * lds + j).wrapping_sub(4 * i);
+                _mm512_mask_storeu_ps(dst, (((1u32 << cnt) - 1) << (4 * i)) as __mmask16, sums);
+            }
+        }
+        for r in LIVE..MR {
+            for c in 0..cnt as usize {
+                *s.add(r * lds + j + c) = 0.0;
+            }
+        }
+        j += 4;
     }
 }
 
