@@ -498,6 +498,12 @@ fn invalid_inputs_error() -> Result<()> {
 fn isa_name() {
     let name = candle_attention::kernels::cpu::isa();
     assert!(["avx512", "avx2+fma", "neon", "portable"].contains(&name));
+    // Every aarch64 CPU has NEON, so unless a variable forces another kernel it is the
+    // one this binary's kernel tests ran on.
+    #[cfg(target_arch = "aarch64")]
+    if std::env::var("CANDLE_ATTENTION_ISA").is_err() {
+        assert_eq!(name, "neon");
+    }
 }
 
 /// The AMX path (bf16/f16 inputs on a machine with AMX) against f32 math on the same

@@ -148,6 +148,7 @@ impl Isa {
     }
 
     #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `live`: AVX-512 only
     #[inline]
     fn pv(
         self,
@@ -178,6 +179,7 @@ impl Isa {
     }
 
     #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `live`: AVX-512 only
     #[inline]
     fn qk_dot(
         self,

@@ -54,15 +54,15 @@ unsafe fn qk_impl(
                 ];
                 for (r, accr) in acc.iter_mut().enumerate() {
                     let a = vdupq_n_f32(*qs.add(x * MR + r));
-                    for c in 0..4 {
-                        accr[c] = vfmaq_f32(accr[c], a, k[c]);
+                    for (acc_c, &k_c) in accr.iter_mut().zip(k.iter()) {
+                        *acc_c = vfmaq_f32(*acc_c, a, k_c);
                     }
                 }
             }
             let sp = s.add(strip * MR * lds + p * NR);
             for (r, accr) in acc.iter().enumerate() {
-                for c in 0..4 {
-                    vst1q_f32(sp.add(r * lds + 4 * c), accr[c]);
+                for (c, &acc_c) in accr.iter().enumerate() {
+                    vst1q_f32(sp.add(r * lds + 4 * c), acc_c);
                 }
             }
         }
@@ -130,8 +130,8 @@ unsafe fn pv_impl(
             let mut acc = [[vdupq_n_f32(0.0); 4]; MR];
             for (r, accr) in acc.iter_mut().enumerate() {
                 let a = vdupq_n_f32(*alpha.add(strip * MR + r));
-                for c in 0..4 {
-                    accr[c] = vmulq_f32(a, vld1q_f32(op.add(r * ldo + 4 * c)));
+                for (c, acc_c) in accr.iter_mut().enumerate() {
+                    *acc_c = vmulq_f32(a, vld1q_f32(op.add(r * ldo + 4 * c)));
                 }
             }
             for j in 0..nk {
@@ -143,14 +143,14 @@ unsafe fn pv_impl(
                 ];
                 for (r, accr) in acc.iter_mut().enumerate() {
                     let a = vdupq_n_f32(*ps.add(r * BK + j));
-                    for c in 0..4 {
-                        accr[c] = vfmaq_f32(accr[c], a, v[c]);
+                    for (acc_c, &v_c) in accr.iter_mut().zip(v.iter()) {
+                        *acc_c = vfmaq_f32(*acc_c, a, v_c);
                     }
                 }
             }
             for (r, accr) in acc.iter().enumerate() {
-                for c in 0..4 {
-                    vst1q_f32(op.add(r * ldo + 4 * c), accr[c]);
+                for (c, &acc_c) in accr.iter().enumerate() {
+                    vst1q_f32(op.add(r * ldo + 4 * c), acc_c);
                 }
             }
         }
