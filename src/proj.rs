@@ -1,5 +1,5 @@
 //! Linear projections computed in the accumulation dtype.
-use candle::{Result, Tensor};
+use candle::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::sdpa::compute_dtype;
@@ -43,16 +43,17 @@ impl Proj {
         self.bias.as_ref()
     }
 
-    /// `x · Wᵀ + b` for `x (rows, in)`, `w (out, in)`, `b (out)` of one dtype: on the
-    /// CPU in f32 with AVX-512, the fused kernel's register-tiled product
-    /// (`kernels::cpu`); everywhere else candle's `matmul`. `tests/proj.rs` checks that
-    /// the two agree.
-    fn matmul_bias(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    /// `x · Wᵀ + b` for `x (rows, in)` and `b (out)` in the accumulation dtype `cd`, and
+    /// `w (out, in)` as stored: for f32 `x` on a CPU with AVX-512, the fused kernel's
+    /// register-tiled product (`kernels::cpu`), which converts an f16/bf16 `w` while
+    /// packing it; everywhere else candle's `matmul` on `w` converted to `cd`.
+    /// `tests/proj.rs` checks that the two agree.
+    fn matmul_bias(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cd: DType) -> Result<Tensor> {
         #[cfg(target_arch = "x86_64")]
         if crate::kernels::cpu::linear::applies(x, w) {
             return crate::kernels::cpu::linear::linear(x, w, b);
         }
-        Self::matmul_bias_reference(x, w, b)
+        Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)
     }
 
     /// [`Proj::forward`]'s product on candle's `matmul` only (the reference path):
@@ -78,9 +79,8 @@ impl Proj {
         let cd = compute_dtype(x.dtype());
         let rows = x.elem_count() / in_dim.max(1);
         let x2 = x.to_dtype(cd)?.reshape((rows, in_dim))?;
-        let w = self.weight.to_dtype(cd)?;
         let bias = self.bias.as_ref().map(|b| b.to_dtype(cd)).transpose()?;
-        let y = Self::matmul_bias(&x2, &w, bias.as_ref())?;
+        let y = Self::matmul_bias(&x2, &self.weight, bias.as_ref(), cd)?;
         let mut shape = dims.to_vec();
         if let Some(last) = shape.last_mut() {
             *last = out_dim;

@@ -56,3 +56,32 @@ fn projection_matches_candle_matmul() -> Result<()> {
     assert_eq!(got.dtype(), DType::F32);
     Ok(())
 }
+
+/// f16/bf16 weights (as loaded from a half-precision checkpoint) with f16, bf16 or f32
+/// inputs: the product is the f32 product of the converted values (the CPU kernel
+/// converts the weight while packing it), on shapes with full 16×16 weight blocks, a
+/// partial last panel and a contraction tail.
+#[test]
+fn half_precision_weights_match_their_f32_product() -> Result<()> {
+    let dev = Device::Cpu;
+    for (rows, inp, out) in [(37, 100, 50), (300, 96, 129), (64, 768, 768)] {
+        for wdt in [DType::BF16, DType::F16] {
+            let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / (inp as f64).sqrt())?.to_dtype(wdt)?;
+            let b = Tensor::randn(0f32, 1.0, out, &dev)?.to_dtype(wdt)?;
+            for xdt in [wdt, DType::F32] {
+                let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?.to_dtype(xdt)?;
+                let p = Proj::new(w.clone(), Some(b.clone()));
+                let got = p.forward(&x)?;
+                assert_eq!(got.dtype(), DType::F32);
+                let f = |t: &Tensor| t.to_dtype(DType::F32);
+                let want = Proj::matmul_bias_reference(&f(&x)?, &f(&w)?, Some(&f(&b)?))?;
+                let err = rel_err(&got, &want)?;
+                assert!(
+                    err < 1e-5,
+                    "rows {rows} in {inp} out {out} weight {wdt:?} input {xdt:?}: err {err}"
+                );
+            }
+        }
+    }
+    Ok(())
+}

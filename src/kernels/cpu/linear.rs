@@ -1,12 +1,13 @@
 //! `y = x · Wᵀ + b` in f32 on an AVX-512 register-tiled product ([`avx512::gemm`]):
 //! 14-row × 32-output tiles whose rows of `x` are broadcast from their row-major place
 //! (no copy of `x`), against `W` packed once per call into 16-output panels
-//! (`[out / 16][in][16]`, by 16×16 transposes). Row blocks of about [`ROWS`] rows run in
+//! (`[out / 16][in][16]`, by 16×16 transposes; f16/bf16 weights are converted there, so
+//! no f32 copy of `W` is made). Row blocks of about [`ROWS`] rows run in
 //! parallel; each writes its own contiguous output rows, so the weight streams through
 //! the cache once per row block. The bias is the accumulators' starting value.
 
 use super::avx512::{self, GEMM_ROWS};
-use super::pack::{AVec, NR};
+use super::pack::{AVec, Data, View, NR};
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -26,7 +27,7 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
     x.device().is_cpu()
         && w.device().is_cpu()
         && x.dtype() == DType::F32
-        && w.dtype() == DType::F32
+        && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && inp == win
         && rows >= GEMM_ROWS
         && inp * out >= 4096
@@ -34,8 +35,8 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
         && super::Isa::selected() == super::Isa::Avx512
 }
 
-/// `x · Wᵀ (+ b)`: x `(rows, in)`, w `(out, in)`, b `(out)`, all f32 on the CPU; returns
-/// `(rows, out)`. Callers check [`applies`] first; shapes are validated again here.
+/// `x · Wᵀ (+ b)`: x `(rows, in)` and b `(out)` f32, w `(out, in)` f32, bf16 or f16, all
+/// on the CPU; returns `(rows, out)` in f32. Callers check [`applies`] first; shapes are validated again here.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let (rows, inp) = x.dims2()?;
     let (out, win) = w.dims2()?;
@@ -57,7 +58,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     let (wg, wl) = wc.storage_and_layout();
     let bg = bc.as_ref().map(|b| b.storage_and_layout());
     let xv = f32_slice(&xg, xl, x)?;
-    let wv = f32_slice(&wg, wl, w)?;
+    let wd = weight_data(&wg, wl, w)?;
     let bv = match (&bg, b) {
         (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
         _ => None,
@@ -73,7 +74,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
             Err(_) => &mut fresh,
         };
         wp.grow(np * inp * NR);
-        let y = product(xv, wv, bv, (rows, inp, out), &mut wp[..np * inp * NR]);
+        let y = product(xv, wd, bv, (rows, inp, out), &mut wp[..np * inp * NR]);
         // Keep at most `KEEP_FLOATS`, so a large layer's pack is not held.
         if wp.len() > KEEP_FLOATS {
             *wp = AVec::default();
@@ -91,39 +92,50 @@ thread_local! {
 /// Packs `W` into `wp` and returns the `(rows, out)` product, `x` read in place.
 fn product(
     xv: &[f32],
-    wv: &[f32],
+    wd: Data,
     bv: Option<&[f32]>,
     (rows, inp, out): (usize, usize, usize),
     wp: &mut [f32],
 ) -> Vec<f32> {
+    // W as a row-major view, to read (and for f16/bf16 convert) runs of a row.
+    let wview = View {
+        data: wd,
+        start: 0,
+        strides: [0, 0, inp, 1],
+    };
     // W panels: [panel][k][NR], zero outputs past `out` (every element is written: the
-    // buffer holds stale values from earlier calls).
+    // buffer holds stale values from earlier calls). f16/bf16 weights are converted here,
+    // so no f32 copy of W is made.
     wp.par_chunks_mut(inp * NR).enumerate().for_each(|(p, panel)| {
         // Full panels in 16×16 blocks; the rest element by element.
         let blocked = if (p + 1) * NR <= out { inp / NR * NR } else { 0 };
+        let mut block = [0f32; NR * NR];
         for k0 in (0..blocked).step_by(NR) {
-            // SAFETY: `applies` selected the AVX-512 kernel; the block's 16 rows of 16
-            // are inside `wv` (outputs `p·16..p·16 + 16 <= out`, `k0 + 16 <= inp`) and
-            // its 16 panel rows inside `panel`.
-            unsafe {
-                avx512::transpose16(
-                    wv.as_ptr().add(p * NR * inp + k0),
-                    inp,
-                    panel.as_mut_ptr().add(k0 * NR),
-                    NR,
-                )
+            // The block's 16 rows of 16 (outputs `p·16..p·16 + 16 <= out`,
+            // `k0 + 16 <= inp`): in place for f32, else converted into `block`.
+            let (src, lds) = match wd {
+                Data::F32(wv) => (wv[p * NR * inp + k0..].as_ptr(), inp),
+                _ => {
+                    for (c, row) in block.chunks_exact_mut(NR).enumerate() {
+                        wview.read_row((p * NR + c) * inp + k0, row, 1.0);
+                    }
+                    (block.as_ptr(), NR)
+                }
             };
+            // SAFETY: `applies` selected the AVX-512 kernel; `src` holds 16 rows of 16
+            // at stride `lds` (bounds above), and `panel` the block's 16 panel rows.
+            unsafe { avx512::transpose16(src, lds, panel.as_mut_ptr().add(k0 * NR), NR) };
         }
+        let mut rest = vec![0f32; inp - blocked];
         for c in 0..NR {
             let o = p * NR + c;
             if o < out {
-                for (k, &v) in wv[o * inp + blocked..(o + 1) * inp].iter().enumerate() {
-                    panel[(blocked + k) * NR + c] = v;
-                }
+                wview.read_row(o * inp + blocked, &mut rest, 1.0);
             } else {
-                for k in 0..inp {
-                    panel[k * NR + c] = 0.0;
-                }
+                rest.fill(0.0);
+            }
+            for (k, &v) in rest.iter().enumerate() {
+                panel[(blocked + k) * NR + c] = v;
             }
         }
     });
@@ -215,6 +227,20 @@ fn f32_slice<'a>(st: &'a Storage, lay: &candle::Layout, t: &Tensor) -> Result<&'
         (Storage::Cpu(CpuStorage::F32(v)), Some((a, z))) => Ok(&v[a..z]),
         _ => candle::bail!(
             "linear: expected a contiguous f32 CPU tensor, got {:?} {:?} on {:?}",
+            t.dims(),
+            t.dtype(),
+            t.device()
+        ),
+    }
+}
+
+fn weight_data<'a>(st: &'a Storage, lay: &candle::Layout, t: &Tensor) -> Result<Data<'a>> {
+    match (st, lay.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, z))) => Ok(Data::F32(&v[a..z])),
+        (Storage::Cpu(CpuStorage::BF16(v)), Some((a, z))) => Ok(Data::BF16(&v[a..z])),
+        (Storage::Cpu(CpuStorage::F16(v)), Some((a, z))) => Ok(Data::F16(&v[a..z])),
+        _ => candle::bail!(
+            "linear: expected a contiguous f32, bf16 or f16 CPU weight, got {:?} {:?} on {:?}",
             t.dims(),
             t.dtype(),
             t.device()
