@@ -25,7 +25,8 @@
 //! * bf16/f16 on a CPU with AMX: both block products on the tile unit (`amx`, f32
 //!   accumulation) over 256-key super-blocks, with inputs split into exact bf16
 //!   components (see `amx` for the error bounds); the softmax stays in f32 on AVX-512.
-//! * Decode on AVX-512 reads f16/bf16 K/V rows in place and widens them in registers.
+//! * Decode on AVX-512 reads f16/bf16 K/V rows in place and widens them in registers,
+//!   asking for each K/V row 16 keys ahead (software prefetch).
 //! * Causal / sliding-window visibility through loop bounds: hidden key blocks are
 //!   skipped, only edge blocks are masked, and on edge blocks each 6-row strip only
 //!   computes the key panels it can see. Optional additive mask with broadcasting.
