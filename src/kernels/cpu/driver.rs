@@ -467,7 +467,7 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
         (k_block_len(BK, e), v_block_len(BK, ev)),
         || vec![0f32; NR * e.max(ev.div_ceil(NR) * NR)],
         |tmp, (kc, vc), (bb, kvh, j0, nk)| {
-            pack_k(&p.k, bb, kvh, j0, nk, e, kc, tmp);
+            pack_k(p.isa, &p.k, bb, kvh, j0, nk, e, kc, tmp);
             pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
         },
         |g| KvSrc::Packed(g),
@@ -998,13 +998,13 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             // f32 block on the fly is still correct.)
             #[cfg(target_arch = "x86_64")]
             KvSrc::PackedAmx(_) => {
-                pack_k(&p.k, bb, kvh, j0, nk, e, kp.as_mut_slice(), tmp);
+                pack_k(isa, &p.k, bb, kvh, j0, nk, e, kp.as_mut_slice(), tmp);
                 pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vp.as_mut_slice(), tmp);
                 qk(kp.as_slice(), sb);
                 (vp.as_slice(), BK * NR, NR)
             }
             KvSrc::Stream => {
-                pack_k(&p.k, bb, kvh, j0, nk, e, kp.as_mut_slice(), tmp);
+                pack_k(isa, &p.k, bb, kvh, j0, nk, e, kp.as_mut_slice(), tmp);
                 pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vp.as_mut_slice(), tmp);
                 qk(kp.as_slice(), sb);
                 (vp.as_slice(), BK * NR, NR)

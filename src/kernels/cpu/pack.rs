@@ -272,9 +272,12 @@ pub(crate) fn v_block_len(bk: usize, ev: usize) -> usize {
 }
 
 /// Packs keys `j0 .. j0 + nk` of `(b, kvh)` into `dst` (`k_block_len(bk, e)` floats,
-/// `nk <= bk`). `tmp` must hold at least `NR * e` floats.
+/// `nk <= bk`). `tmp` must hold at least `NR * e` floats. With `isa` AVX-512, full
+/// panels of unit-stride f32 rows are transposed 16×16 at a time.
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `isa`: x86-64 only
 pub(crate) fn pack_k(
+    isa: super::Isa,
     k: &View,
     b: usize,
     kvh: usize,
@@ -288,6 +291,29 @@ pub(crate) fn pack_k(
     for p in 0..npanels {
         let kk = (nk - p * NR).min(NR);
         let panel = &mut dst[p * e * NR..(p + 1) * e * NR];
+        #[cfg(target_arch = "x86_64")]
+        if let (Data::F32(src), true, true) = (k.data, kk == NR, isa == super::Isa::Avx512) {
+            if k.strides[3] == 1 {
+                // Full panel of f32 rows with unit stride: 16×16 transposes.
+                let (base, ld) = (k.row_offset(b, kvh, j0 + p * NR), k.strides[2]);
+                let src = &src[base..base + (NR - 1) * ld + e];
+                let full = e / NR * NR;
+                for x0 in (0..full).step_by(NR) {
+                    // SAFETY: `Isa::Avx512` is only selected after detection; the 16 rows
+                    // of 16 at `x0` are inside `src` (bounds above), and their 16 panel
+                    // rows inside `panel`.
+                    unsafe {
+                        super::avx512::transpose16(src[x0..].as_ptr(), ld, panel[x0 * NR..].as_mut_ptr(), NR)
+                    };
+                }
+                for c in 0..NR {
+                    for x in full..e {
+                        panel[x * NR + c] = src[c * ld + x];
+                    }
+                }
+                continue;
+            }
+        }
         if kk < NR {
             panel.fill(0.0);
         }
