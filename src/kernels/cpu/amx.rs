@@ -298,18 +298,25 @@ pub(crate) unsafe fn pack_k(
     // `panel·16 + c` in contraction tile t.
     let kt = ep / TK;
     let clen = (BK / NR) * kt * TILE;
+    // That is a 16×16 transpose of 32-bit pairs: the 16 keys' pairs of tile t (rows of
+    // stride `ep / 2` pairs) become the tile's 16 rows of 16 pairs.
     for c in 0..comps {
         let src = &rows[c * rlen..(c + 1) * rlen];
         for panel in 0..BK / NR {
             for t in 0..kt {
                 let tile = &mut dst[c * clen + (panel * kt + t) * TILE..][..TILE];
-                for key in 0..NR {
-                    let sr = &src[(panel * NR + key) * ep + t * TK..][..TK];
-                    for r in 0..TM {
-                        tile[r * TK + 2 * key] = sr[2 * r];
-                        tile[r * TK + 2 * key + 1] = sr[2 * r + 1];
-                    }
-                }
+                let first = &src[panel * NR * ep + t * TK..(panel * NR + NR - 1) * ep + (t + 1) * TK];
+                // SAFETY: `first` holds the 16 key rows of 32 elements at stride `ep`
+                // (bounds checked by the slice), `tile` 16 rows of 32; the transpose
+                // only moves bits, and AVX-512F comes with `available()`.
+                unsafe {
+                    super::avx512::transpose16(
+                        first.as_ptr() as *const f32,
+                        ep / 2,
+                        tile.as_mut_ptr() as *mut f32,
+                        TK / 2,
+                    )
+                };
             }
         }
     }
@@ -321,6 +328,7 @@ pub(crate) unsafe fn pack_k(
 /// # Safety
 /// [`available`] must have returned true.
 #[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn pack_v(
     v: &View,
     b: usize,
@@ -349,9 +357,15 @@ pub(crate) unsafe fn pack_v(
                 for r in 0..TM {
                     let k0 = &src[(t * TK + 2 * r) * evp + panel * NR..][..NR];
                     let k1 = &src[(t * TK + 2 * r + 1) * evp + panel * NR..][..NR];
-                    for col in 0..NR {
-                        tile[r * TK + 2 * col] = k0[col];
-                        tile[r * TK + 2 * col + 1] = k1[col];
+                    // The two keys' 16 values interleaved: each 32-bit lane is the pair
+                    // (k0[col], k1[col]), k0 in the low half.
+                    // SAFETY: `k0`, `k1` hold 16 elements and `tile` row `r` 32 (bounds
+                    // checked by the slices); AVX-512F comes with `available()`.
+                    unsafe {
+                        let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(k0.as_ptr() as *const __m256i));
+                        let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(k1.as_ptr() as *const __m256i));
+                        let pairs = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
+                        _mm512_storeu_si512(tile[r * TK..(r + 1) * TK].as_mut_ptr() as *mut _, pairs);
                     }
                 }
             }
