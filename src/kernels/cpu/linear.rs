@@ -7,7 +7,7 @@
 //! the cache once per row block. The bias is the accumulators' starting value.
 
 use super::avx512::{self, GEMM_ROWS};
-use super::pack::{AVec, Data, View, NR};
+use super::pack::{pack_k, AVec, Data, View, NR};
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -97,48 +97,34 @@ fn product(
     (rows, inp, out): (usize, usize, usize),
     wp: &mut [f32],
 ) -> Vec<f32> {
-    // W as a row-major view, to read (and for f16/bf16 convert) runs of a row.
+    // W panels: [panel][k][NR], zero outputs past `out` (every element is written: the
+    // buffer holds stale values from earlier calls). This is the K-panel layout of the
+    // attention kernel, with outputs as keys, so its packer serves; f16/bf16 weights are
+    // converted there, so no f32 copy of W is made.
     let wview = View {
         data: wd,
         start: 0,
         strides: [0, 0, inp, 1],
     };
-    // W panels: [panel][k][NR], zero outputs past `out` (every element is written: the
-    // buffer holds stale values from earlier calls). f16/bf16 weights are converted here,
-    // so no f32 copy of W is made.
-    wp.par_chunks_mut(inp * NR).enumerate().for_each(|(p, panel)| {
-        // Full panels in 16×16 blocks; the rest element by element.
-        let blocked = if (p + 1) * NR <= out { inp / NR * NR } else { 0 };
-        let mut block = [0f32; NR * NR];
-        for k0 in (0..blocked).step_by(NR) {
-            // The block's 16 rows of 16 (outputs `p·16..p·16 + 16 <= out`,
-            // `k0 + 16 <= inp`): in place for f32, else converted into `block`.
-            let (src, lds) = match wd {
-                Data::F32(wv) => (wv[p * NR * inp + k0..].as_ptr(), inp),
-                _ => {
-                    for (c, row) in block.chunks_exact_mut(NR).enumerate() {
-                        wview.read_row((p * NR + c) * inp + k0, row, 1.0);
-                    }
-                    (block.as_ptr(), NR)
-                }
-            };
-            // SAFETY: `applies` selected the AVX-512 kernel; `src` holds 16 rows of 16
-            // at stride `lds` (bounds above), and `panel` the block's 16 panel rows.
-            unsafe { avx512::transpose16(src, lds, panel.as_mut_ptr().add(k0 * NR), NR) };
-        }
-        let mut rest = vec![0f32; inp - blocked];
-        for c in 0..NR {
-            let o = p * NR + c;
-            if o < out {
-                wview.read_row(o * inp + blocked, &mut rest, 1.0);
-            } else {
-                rest.fill(0.0);
-            }
-            for (k, &v) in rest.iter().enumerate() {
-                panel[(blocked + k) * NR + c] = v;
-            }
-        }
-    });
+    // Conversion scratch, needed only for f16/bf16 weights.
+    let tmp_len = if matches!(wd, Data::F32(_)) { 0 } else { NR * inp };
+    wp.par_chunks_mut(inp * NR).enumerate().for_each_init(
+        || vec![0f32; tmp_len],
+        |tmp, (p, panel)| {
+            let o0 = p * NR;
+            pack_k(
+                super::Isa::Avx512,
+                &wview,
+                0,
+                0,
+                o0,
+                NR.min(out - o0),
+                inp,
+                panel,
+                tmp,
+            );
+        },
+    );
     let wp = &*wp;
 
     let mut y: Vec<f32> = Vec::with_capacity(rows * out);

@@ -272,8 +272,11 @@ pub(crate) fn v_block_len(bk: usize, ev: usize) -> usize {
 }
 
 /// Packs keys `j0 .. j0 + nk` of `(b, kvh)` into `dst` (`k_block_len(bk, e)` floats,
-/// `nk <= bk`). `tmp` must hold at least `NR * e` floats. With `isa` AVX-512, full
-/// panels of unit-stride f32 rows are transposed 16×16 at a time.
+/// `nk <= bk`). `tmp` is conversion scratch: it must hold `NR * e` floats, except for
+/// f32 keys with unit inner stride, which are read in place (`tmp` may then be empty).
+/// With `isa` AVX-512, full
+/// panels of unit-stride rows are transposed 16×16 at a time. The same layout serves as
+/// the projection weight pack (`linear`: outputs as keys, in-features as `e`).
 #[allow(clippy::too_many_arguments)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `isa`: x86-64 only
 pub(crate) fn pack_k(
@@ -292,34 +295,41 @@ pub(crate) fn pack_k(
         let kk = (nk - p * NR).min(NR);
         let panel = &mut dst[p * e * NR..(p + 1) * e * NR];
         #[cfg(target_arch = "x86_64")]
-        if let (Data::F32(src), true, true) = (k.data, kk == NR, isa == super::Isa::Avx512) {
-            if k.strides[3] == 1 {
-                // Full panel of f32 rows with unit stride: 16×16 transposes.
-                let (base, ld) = (k.row_offset(b, kvh, j0 + p * NR), k.strides[2]);
-                let src = &src[base..base + (NR - 1) * ld + e];
-                let full = e / NR * NR;
-                for x0 in (0..full).step_by(NR) {
-                    // SAFETY: `Isa::Avx512` is only selected after detection; the 16 rows
-                    // of 16 at `x0` are inside `src` (bounds above), and their 16 panel
-                    // rows inside `panel`.
-                    unsafe {
-                        super::avx512::transpose16(src[x0..].as_ptr(), ld, panel[x0 * NR..].as_mut_ptr(), NR)
-                    };
-                }
-                for c in 0..NR {
-                    for x in full..e {
-                        panel[x * NR + c] = src[c * ld + x];
+        if kk == NR && isa == super::Isa::Avx512 && k.strides[3] == 1 {
+            // Full panel of unit-stride rows: 16×16 transposes, from the f32 rows in
+            // place or from f16/bf16 rows converted into `tmp`.
+            let (base, ld) = (k.row_offset(b, kvh, j0 + p * NR), k.strides[2]);
+            let (src, lds) = match k.data {
+                Data::F32(s) => (&s[base..base + (NR - 1) * ld + e], ld),
+                _ => {
+                    for (c, row) in tmp[..NR * e].chunks_exact_mut(e.max(1)).enumerate() {
+                        k.read_row(base + c * ld, row, 1.0);
                     }
+                    (&tmp[..NR * e], e)
                 }
-                continue;
+            };
+            let full = e / NR * NR;
+            for x0 in (0..full).step_by(NR) {
+                // SAFETY: `Isa::Avx512` is only selected after detection; the 16 rows
+                // of 16 at `x0` are inside `src` (bounds above), and their 16 panel
+                // rows inside `panel`.
+                unsafe {
+                    super::avx512::transpose16(src[x0..].as_ptr(), lds, panel[x0 * NR..].as_mut_ptr(), NR)
+                };
             }
+            for c in 0..NR {
+                for x in full..e {
+                    panel[x * NR + c] = src[c * lds + x];
+                }
+            }
+            continue;
         }
         if kk < NR {
             panel.fill(0.0);
         }
-        for (c, buf) in tmp[..NR * e].chunks_exact_mut(e.max(1)).take(kk).enumerate() {
+        for c in 0..kk {
             let off = k.row_offset(b, kvh, j0 + p * NR + c);
-            let row = k.row_f32(off, e, buf);
+            let row = k.row_f32(off, e, tmp);
             for (out, &x) in panel.chunks_exact_mut(NR).zip(row) {
                 out[c] = x;
             }
