@@ -142,6 +142,33 @@ fn non_contiguous_inputs_equal_contiguous() -> Result<()> {
     Ok(())
 }
 
+/// The fused path reads strided views of rank 2, 3, 4 and 5 in place (rank 5 by a copy of
+/// its collapsed batch dims); each must equal its contiguous copy exactly.
+#[test]
+fn strided_views_of_every_rank_equal_contiguous() -> Result<()> {
+    // (…, E, L) transposed to (…, L, E).
+    let strided = |lead: &[usize], l: usize, e: usize, dtype: DType| -> Result<Tensor> {
+        let mut d = lead.to_vec();
+        d.extend([e, l]);
+        let r = d.len();
+        randn(&d)?.to_dtype(dtype)?.transpose(r - 2, r - 1)
+    };
+    for lead in [&[][..], &[3][..], &[2, 3][..], &[2, 2, 3][..]] {
+        for dtype in [DType::F32, DType::BF16] {
+            let q = strided(lead, 5, 16, dtype)?;
+            let k = strided(lead, 9, 16, dtype)?;
+            let v = strided(lead, 9, 8, dtype)?;
+            assert!(!q.is_contiguous() && !k.is_contiguous() && !v.is_contiguous());
+            let opts = SdpaOptions::new().with_causal(true);
+            let a = sdpa(&q, &k, &v, &opts)?;
+            let b = sdpa(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &opts)?;
+            assert_eq!(a.dims(), b.dims());
+            assert_eq!(max_diff(&a, &b)?, 0.0, "{lead:?} {dtype:?}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn weights_are_returned_in_torch_shape() -> Result<()> {
     let (q, k, v) = (

@@ -28,9 +28,9 @@ pub(crate) fn dispatch_fused(
 ) -> Result<SdpaOutput> {
     let (n, hq, hkv, l, s, e, ev) = (dims.n, dims.hq, dims.hkv, dims.l, dims.s, dims.e, dims.ev);
     // Views with the batch dims collapsed; the kernel reads any strides.
-    let q4 = q.reshape((n, hq, l, e))?;
-    let k4 = k.reshape((n, hkv, s, e))?;
-    let v4 = v.reshape((n, hkv, s, ev))?;
+    let q4 = as_4d(q, (n, hq, l, e))?;
+    let k4 = as_4d(k, (n, hkv, s, e))?;
+    let v4 = as_4d(v, (n, hkv, s, ev))?;
     let m4 = match explicit {
         None => None,
         Some(m) => Some(mask_4d(&m.to_dtype(DType::F32)?, dims)?),
@@ -44,6 +44,25 @@ pub(crate) fn dispatch_fused(
         output: out.reshape(dims.out_shape(ev))?,
         weights: None,
     })
+}
+
+/// `t` as the rank-4 `dims`, without copying where that can be a view: rank 4 as is, ranks
+/// 2 and 3 by adding unit dims. Only more than one leading batch dim is collapsed by
+/// `reshape`, which copies a non-contiguous tensor (candle's `reshape` copies any
+/// non-contiguous input, even to its own shape, so the common `(B, H, L, D)` view made by
+/// `transpose(1, 2)` must not go through it).
+fn as_4d(t: &Tensor, dims: (usize, usize, usize, usize)) -> Result<Tensor> {
+    let (a, b, c, d) = dims;
+    let t = match t.rank() {
+        4 => t.clone(),
+        3 => t.unsqueeze(0)?,
+        2 => t.unsqueeze(0)?.unsqueeze(0)?,
+        _ => return t.reshape(dims),
+    };
+    if t.dims() != [a, b, c, d] {
+        candle::bail!("fused SDPA: expected {:?}, got {:?}", [a, b, c, d], t.dims())
+    }
+    Ok(t)
 }
 
 /// An explicit mask aligned to `(…, Hq, L, S)` as `(N, Hq, L, S)` with size-1 dims kept
