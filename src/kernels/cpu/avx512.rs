@@ -1136,41 +1136,41 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
 /// `dst[x] = f16(src[x])`, rounding to nearest even (as `half::f16::from_f32`).
 ///
 /// # Safety
-/// AVX-512F must be available.
+/// AVX-512F must be available, and `dst` valid for `src.len()` writes.
 #[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn store_f16(dst: &mut [half::f16], src: &[f32]) {
-    let n = dst.len().min(src.len());
+pub(crate) unsafe fn store_f16(dst: *mut half::f16, src: &[f32]) {
+    let n = src.len();
     let mut x = 0;
     while x + 16 <= n {
         let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_loadu_ps(
             src.as_ptr().add(x),
         ));
-        _mm256_storeu_si256(dst.as_mut_ptr().add(x) as *mut __m256i, h);
+        _mm256_storeu_si256(dst.add(x) as *mut __m256i, h);
         x += 16;
     }
-    for (d, &v) in dst[x..n].iter_mut().zip(&src[x..n]) {
-        *d = half::f16::from_f32(v);
+    for (i, &v) in src.iter().enumerate().skip(x) {
+        dst.add(i).write(half::f16::from_f32(v));
     }
 }
 
 /// `dst[x] = bf16(src[x])`, rounding to nearest even (as `half::bf16::from_f32`).
 ///
 /// # Safety
-/// AVX-512F and AVX512-BF16 must be available.
+/// AVX-512F and AVX512-BF16 must be available, and `dst` valid for `src.len()` writes.
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub(crate) unsafe fn store_bf16(dst: &mut [half::bf16], src: &[f32]) {
-    let n = dst.len().min(src.len());
+pub(crate) unsafe fn store_bf16(dst: *mut half::bf16, src: &[f32]) {
+    let n = src.len();
     let mut x = 0;
     while x + 16 <= n {
         let h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src.as_ptr().add(x)));
         _mm256_storeu_si256(
-            dst.as_mut_ptr().add(x) as *mut __m256i,
+            dst.add(x) as *mut __m256i,
             std::mem::transmute::<__m256bh, __m256i>(h),
         );
         x += 16;
     }
-    for (d, &v) in dst[x..n].iter_mut().zip(&src[x..n]) {
-        *d = half::bf16::from_f32(v);
+    for (i, &v) in src.iter().enumerate().skip(x) {
+        dst.add(i).write(half::bf16::from_f32(v));
     }
 }
 

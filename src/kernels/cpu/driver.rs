@@ -12,6 +12,7 @@ use super::{Causal, Isa};
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::f32::consts::LOG2_E;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -315,9 +316,8 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
     let (b, hkv, l, s, e, ev) = (p.b, p.hkv, p.l, p.s, p.e, p.ev);
     let g_sz = p.group();
     let total_rows = b * p.hq * l;
-    let mut out = vec![T::default(); total_rows * ev];
     if total_rows == 0 || ev == 0 || s == 0 {
-        return out;
+        return vec![T::default(); total_rows * ev];
     }
     let ngroups = b * hkv;
     let rows_per_group = g_sz * l;
@@ -335,150 +335,166 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
         .flat_map(|g| gblocks.iter().map(move |&(r0, n)| Block { g, r0, n }))
         .collect();
 
-    // Output slots in block order (blocks tile the output contiguously).
-    let mut slots: Vec<Mutex<Option<&mut [T]>>> = Vec::with_capacity(blocks.len());
-    let mut rest: &mut [T] = &mut out;
+    // Output slots in block order (blocks tile the output contiguously), uninitialised:
+    // each is written once, by `finish` or `merge` when its block's work is done, or with
+    // zeros at the end if no work item had a visible key for it.
+    let mut out: Vec<T> = Vec::with_capacity(total_rows * ev);
+    let mut slots: Vec<Mutex<Option<&mut [MaybeUninit<T>]>>> = Vec::with_capacity(blocks.len());
+    let mut rest = &mut out.spare_capacity_mut()[..total_rows * ev];
     for blk in &blocks {
-        let (head, tail) = rest.split_at_mut(blk.n * ev);
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(blk.n * ev);
         slots.push(Mutex::new(Some(head)));
         rest = tail;
     }
+    assert!(rest.is_empty(), "row blocks must tile the output");
 
-    // Visible-key union of a block's rows.
-    let union = |blk: &Block| -> (usize, usize) {
-        let (mut lo, mut hi) = (usize::MAX, 0);
-        for r in blk.r0..blk.r0 + blk.n {
-            let (a, z) = p.row_range(r % l);
-            if a < z {
-                lo = lo.min(a);
-                hi = hi.max(z);
-            }
-        }
-        (lo, hi)
-    };
-    let cost = |blk: &Block, ks0: usize, ks1: usize| -> usize {
-        let mut c = 0;
-        for r in blk.r0..blk.r0 + blk.n {
-            let (a, z) = p.row_range(r % l);
-            let (a, z) = (a.max(ks0), z.min(ks1));
-            c += z.saturating_sub(a) + 16;
-        }
-        c
-    };
-
-    let nt = rayon::current_num_threads().max(1);
-    if gblocks.len() == 1 {
-        // Streaming (decode-style) path: every group is one block, so K/V are packed
-        // block by block inside the work item (each K/V row is read once per group);
-        // with few groups the key range is split across threads and merged by LSE.
-        let nsplit = if ngroups < 2 * nt {
-            (2 * nt).div_ceil(ngroups).min((s / MIN_SPLIT_KEYS).max(1)).max(1)
-        } else {
-            1
-        };
-        let mut items = Vec::new();
-        for (bi, blk) in blocks.iter().enumerate() {
-            let (lo, hi) = union(blk);
-            if lo >= hi {
-                continue;
-            }
-            let lo_a = lo / BK * BK;
-            let chunk = (hi - lo_a).div_ceil(nsplit).div_ceil(BK) * BK;
-            let mut k0 = lo_a;
-            while k0 < hi {
-                let k1 = (k0 + chunk).min(hi);
-                items.push(Item {
-                    blk: bi,
-                    ks0: k0,
-                    ks1: k1,
-                    cost: cost(blk, k0, k1),
-                });
-                k0 = k1;
-            }
-        }
-        items.sort_by_key(|it| std::cmp::Reverse(it.cost));
-        let rows_pad = rows_per_group.div_ceil(ROW_ALIGN) * ROW_ALIGN;
-        let src = if rows_pad <= DECODE_MAX_ROWS && e.is_multiple_of(K_ALIGN) {
-            KvSrc::Rows
-        } else {
-            KvSrc::Stream
-        };
-        if nsplit == 1 {
-            run_dynamic(items.len(), e, ev, |i, sc| {
-                let it = items[i];
-                let blk = blocks[it.blk];
-                run_block(p, &blk, it.ks0, it.ks1, src, sc);
-                if let Some(dst) = lock(&slots[it.blk]).take() {
-                    finish(p, blk.n, sc, dst);
-                }
-            });
-        } else {
-            let partials: Vec<Mutex<Option<Partial>>> = items.iter().map(|_| Mutex::new(None)).collect();
-            run_dynamic(items.len(), e, ev, |i, sc| {
-                let it = items[i];
-                let blk = blocks[it.blk];
-                run_block(p, &blk, it.ks0, it.ks1, src, sc);
-                *lock(&partials[i]) = Some(Partial::from_scratch(p, blk.n, sc));
-            });
-            let mut per_block: Vec<Vec<Partial>> = blocks.iter().map(|_| Vec::new()).collect();
-            for (it, part) in items.iter().zip(partials) {
-                if let Some(pt) = part.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                    per_block[it.blk].push(pt);
+    'work: {
+        // Visible-key union of a block's rows.
+        let union = |blk: &Block| -> (usize, usize) {
+            let (mut lo, mut hi) = (usize::MAX, 0);
+            for r in blk.r0..blk.r0 + blk.n {
+                let (a, z) = p.row_range(r % l);
+                if a < z {
+                    lo = lo.min(a);
+                    hi = hi.max(z);
                 }
             }
-            per_block
-                .par_iter()
-                .zip(slots.par_iter())
-                .zip(blocks.par_iter())
-                .for_each(|((parts, slot), blk)| {
-                    if let Some(dst) = lock(slot).take() {
-                        merge::<T>(blk.n, ev, parts, dst);
+            (lo, hi)
+        };
+        let cost = |blk: &Block, ks0: usize, ks1: usize| -> usize {
+            let mut c = 0;
+            for r in blk.r0..blk.r0 + blk.n {
+                let (a, z) = p.row_range(r % l);
+                let (a, z) = (a.max(ks0), z.min(ks1));
+                c += z.saturating_sub(a) + 16;
+            }
+            c
+        };
+
+        let nt = rayon::current_num_threads().max(1);
+        if gblocks.len() == 1 {
+            // Streaming (decode-style) path: every group is one block, so K/V are packed
+            // block by block inside the work item (each K/V row is read once per group);
+            // with few groups the key range is split across threads and merged by LSE.
+            let nsplit = if ngroups < 2 * nt {
+                (2 * nt).div_ceil(ngroups).min((s / MIN_SPLIT_KEYS).max(1)).max(1)
+            } else {
+                1
+            };
+            let mut items = Vec::new();
+            for (bi, blk) in blocks.iter().enumerate() {
+                let (lo, hi) = union(blk);
+                if lo >= hi {
+                    continue;
+                }
+                let lo_a = lo / BK * BK;
+                let chunk = (hi - lo_a).div_ceil(nsplit).div_ceil(BK) * BK;
+                let mut k0 = lo_a;
+                while k0 < hi {
+                    let k1 = (k0 + chunk).min(hi);
+                    items.push(Item {
+                        blk: bi,
+                        ks0: k0,
+                        ks1: k1,
+                        cost: cost(blk, k0, k1),
+                    });
+                    k0 = k1;
+                }
+            }
+            items.sort_by_key(|it| std::cmp::Reverse(it.cost));
+            let rows_pad = rows_per_group.div_ceil(ROW_ALIGN) * ROW_ALIGN;
+            let src = if rows_pad <= DECODE_MAX_ROWS && e.is_multiple_of(K_ALIGN) {
+                KvSrc::Rows
+            } else {
+                KvSrc::Stream
+            };
+            if nsplit == 1 {
+                run_dynamic(items.len(), e, ev, |i, sc| {
+                    let it = items[i];
+                    let blk = blocks[it.blk];
+                    run_block(p, &blk, it.ks0, it.ks1, src, sc);
+                    if let Some(dst) = lock(&slots[it.blk]).take() {
+                        finish(p, blk.n, sc, dst);
                     }
                 });
+            } else {
+                let partials: Vec<Mutex<Option<Partial>>> = items.iter().map(|_| Mutex::new(None)).collect();
+                run_dynamic(items.len(), e, ev, |i, sc| {
+                    let it = items[i];
+                    let blk = blocks[it.blk];
+                    run_block(p, &blk, it.ks0, it.ks1, src, sc);
+                    *lock(&partials[i]) = Some(Partial::from_scratch(p, blk.n, sc));
+                });
+                let mut per_block: Vec<Vec<Partial>> = blocks.iter().map(|_| Vec::new()).collect();
+                for (it, part) in items.iter().zip(partials) {
+                    if let Some(pt) = part.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                        per_block[it.blk].push(pt);
+                    }
+                }
+                per_block
+                    .par_iter()
+                    .zip(slots.par_iter())
+                    .zip(blocks.par_iter())
+                    .for_each(|((parts, slot), blk)| {
+                        if let Some(dst) = lock(slot).take() {
+                            merge::<T>(blk.n, ev, parts, dst);
+                        }
+                    });
+            }
+            break 'work;
         }
-        return out;
-    }
 
-    let nbg = gblocks.len();
-    #[cfg(target_arch = "x86_64")]
-    if let Some(plan) = p.amx {
-        // The prefill path on AMX: bf16 VNNI packs (see `amx`).
-        let (kbl, vbl) = (amx::k_len(e, plan.comps), amx::v_len(ev, plan.comps));
-        let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
-        prefill::<T, u16, _>(
+        let nbg = gblocks.len();
+        #[cfg(target_arch = "x86_64")]
+        if let Some(plan) = p.amx {
+            // The prefill path on AMX: bf16 VNNI packs (see `amx`).
+            let (kbl, vbl) = (amx::k_len(e, plan.comps), amx::v_len(ev, plan.comps));
+            let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
+            prefill::<T, u16, _>(
+                p,
+                (&blocks, &slots, nbg, &cost),
+                (kbl, vbl),
+                || (vec![0f32; e.max(ev)], vec![0u16; stage]),
+                |(tmp, rows), (kc, vc), (bb, kvh, j0, nk)| {
+                    // SAFETY: `p.amx` is only set after `amx::available()`.
+                    unsafe {
+                        amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
+                        amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
+                    }
+                },
+                |g| KvSrc::PackedAmx(g),
+            );
+            break 'work;
+        }
+        prefill::<T, f32, _>(
             p,
             (&blocks, &slots, nbg, &cost),
-            (kbl, vbl),
-            || (vec![0f32; e.max(ev)], vec![0u16; stage]),
-            |(tmp, rows), (kc, vc), (bb, kvh, j0, nk)| {
-                // SAFETY: `p.amx` is only set after `amx::available()`.
-                unsafe {
-                    amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
-                    amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
-                }
+            (k_block_len(BK, e), v_block_len(BK, ev)),
+            || vec![0f32; NR * e.max(ev.div_ceil(NR) * NR)],
+            |tmp, (kc, vc), (bb, kvh, j0, nk)| {
+                pack_k(p.isa, &p.k, bb, kvh, j0, nk, e, kc, tmp);
+                pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
             },
-            |g| KvSrc::PackedAmx(g),
+            |g| KvSrc::Packed(g),
         );
-        return out;
     }
-    prefill::<T, f32, _>(
-        p,
-        (&blocks, &slots, nbg, &cost),
-        (k_block_len(BK, e), v_block_len(BK, ev)),
-        || vec![0f32; NR * e.max(ev.div_ceil(NR) * NR)],
-        |tmp, (kc, vc), (bb, kvh, j0, nk)| {
-            pack_k(p.isa, &p.k, bb, kvh, j0, nk, e, kc, tmp);
-            pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
-        },
-        |g| KvSrc::Packed(g),
-    );
+    for slot in &slots {
+        if let Some(dst) = lock(slot).take() {
+            dst.fill(MaybeUninit::new(T::default()));
+        }
+    }
+    drop(slots);
+    // SAFETY: the slots tile the first `total_rows · ev` elements of `out` (asserted
+    // above), and every slot was taken exactly once and fully written: by `finish` or
+    // `merge`, or with zeros just above.
+    unsafe { out.set_len(total_rows * ev) };
     out
 }
 
 /// `(blocks, output slots, row blocks per group, cost of a block's key range)`.
 type Blocks<'s, 'o, T> = (
     &'s [Block],
-    &'s [Mutex<Option<&'o mut [T]>>],
+    &'s [Mutex<Option<&'o mut [MaybeUninit<T>]>>],
     usize,
     &'s (dyn Fn(&Block, usize, usize) -> usize + Sync),
 );
@@ -770,7 +786,7 @@ impl Partial {
 }
 
 /// Log-sum-exp merge of split-K partials into the output rows.
-fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut [T]) {
+fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut [MaybeUninit<T>]) {
     let mut row = vec![0f32; ev];
     for r in 0..n {
         let mx = parts.iter().map(|pt| pt.m[r]).fold(f32::NEG_INFINITY, f32::max);
@@ -797,18 +813,19 @@ fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut [T]) {
 }
 
 /// Normalises the block accumulators in `sc` and stores them to `dst` (`n × Ev`).
-fn finish<T: OutElem>(p: &Problem, n: usize, sc: &mut Scratch, dst: &mut [T]) {
+fn finish<T: OutElem>(p: &Problem, n: usize, sc: &mut Scratch, dst: &mut [MaybeUninit<T>]) {
     let ev = p.ev;
     let evp = ev.div_ceil(NR) * NR;
     let o = sc.o.as_slice();
     for r in 0..n {
         let l = sc.l[r];
         let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-        let row = &mut sc.row[..ev];
-        for (d, &x) in row.iter_mut().zip(&o[r * evp..r * evp + ev]) {
-            *d = x * inv;
-        }
-        T::store(&mut dst[r * ev..(r + 1) * ev], row);
+        T::store_scaled(
+            &mut dst[r * ev..(r + 1) * ev],
+            &o[r * evp..r * evp + ev],
+            inv,
+            &mut sc.row,
+        );
     }
 }
 

@@ -7,6 +7,7 @@
 //!   the right operand of the `O += P·V` micro-kernel. Columns past `Ev` are zero.
 
 use half::{bf16, f16, slice::HalfFloatSliceExt};
+use std::mem::MaybeUninit;
 
 /// Lane count of a packed panel (two AVX2 registers, four NEON registers).
 pub(crate) const NR: usize = 16;
@@ -369,40 +370,70 @@ pub(crate) fn pack_v(
     }
 }
 
-/// Output element types: conversion from the f32 accumulators.
+/// Output element types: conversion from the f32 accumulators into output memory that
+/// may still be uninitialised.
 pub(crate) trait OutElem: Copy + Send + Sync + Default + 'static {
-    fn store(dst: &mut [Self], src: &[f32]);
+    /// Writes `src` converted to `dst` (of the same length).
+    fn store(dst: &mut [MaybeUninit<Self>], src: &[f32]);
+
+    /// [`OutElem::store`] of `src · scale`; `tmp` (at least `src.len()`) is scratch for
+    /// the types that convert.
+    fn store_scaled(dst: &mut [MaybeUninit<Self>], src: &[f32], scale: f32, tmp: &mut [f32]) {
+        let tmp = &mut tmp[..src.len()];
+        for (t, &x) in tmp.iter_mut().zip(src) {
+            *t = x * scale;
+        }
+        Self::store(dst, tmp);
+    }
 }
 
 impl OutElem for f32 {
     #[inline]
-    fn store(dst: &mut [f32], src: &[f32]) {
-        dst.copy_from_slice(src);
+    fn store(dst: &mut [MaybeUninit<f32>], src: &[f32]) {
+        assert_eq!(dst.len(), src.len());
+        for (d, &x) in dst.iter_mut().zip(src) {
+            d.write(x);
+        }
+    }
+
+    #[inline]
+    fn store_scaled(dst: &mut [MaybeUninit<f32>], src: &[f32], scale: f32, _tmp: &mut [f32]) {
+        assert_eq!(dst.len(), src.len());
+        for (d, &x) in dst.iter_mut().zip(src) {
+            d.write(x * scale);
+        }
     }
 }
 
 impl OutElem for f16 {
     #[inline]
-    fn store(dst: &mut [f16], src: &[f32]) {
+    fn store(dst: &mut [MaybeUninit<f16>], src: &[f32]) {
+        assert_eq!(dst.len(), src.len());
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: AVX-512F was detected just above.
-            return unsafe { super::avx512::store_f16(dst, src) };
+            // SAFETY: AVX-512F was detected just above; `dst` holds `src.len()` elements.
+            return unsafe { super::avx512::store_f16(dst.as_mut_ptr().cast(), src) };
         }
-        dst.convert_from_f32_slice(src);
+        for (d, &x) in dst.iter_mut().zip(src) {
+            d.write(f16::from_f32(x));
+        }
     }
 }
 
 impl OutElem for bf16 {
     #[inline]
-    fn store(dst: &mut [bf16], src: &[f32]) {
+    fn store(dst: &mut [MaybeUninit<bf16>], src: &[f32]) {
+        assert_eq!(dst.len(), src.len());
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
         {
-            // SAFETY: both features were detected just above.
-            return unsafe { super::avx512::store_bf16(dst, src) };
+            // SAFETY: both features were detected just above; `dst` holds `src.len()`
+            // elements.
+            return unsafe { super::avx512::store_bf16(dst.as_mut_ptr().cast(), src) };
         }
-        dst.convert_from_f32_slice(src);
+        for (d, &x) in dst.iter_mut().zip(src) {
+            d.write(bf16::from_f32(x));
+        }
     }
 }
 
