@@ -554,35 +554,101 @@ fn amx_precision_matches_f32_math() -> Result<()> {
             offset: s as isize - l as isize,
             window: None,
         });
-        let vmax = v.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-        for (dt, ulp, p_err) in [
-            (DType::F16, 2f32.powi(-10), 0.0),
-            (DType::BF16, 2f32.powi(-7), 2f64.powi(-9)),
-        ] {
-            let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
-            let ours = sdpa(&q, &k, &v, mask.as_ref(), c, 0.125)?.to_dtype(DType::F32)?;
-            let f32_math = sdpa(
-                &q.to_dtype(DType::F32)?,
-                &k.to_dtype(DType::F32)?,
-                &v.to_dtype(DType::F32)?,
-                mask.as_ref(),
-                c,
-                0.125,
-            )?;
-            let rounded = f32_math.to_dtype(dt)?.to_dtype(DType::F32)?;
-            // |ours − rounded| ≤ one ulp of the f32 result, plus 2e-5 ≈ 2⁻¹⁶ · max|v| for
-            // the f32 rounding of either path (dropping an f16 component costs ~2⁻⁹ · |v|),
-            // plus the bf16 probability rounding.
-            let bound = ((f32_math.abs()? * ulp as f64)? + (2e-5 + p_err * vmax))?;
-            let excess = ((ours - &rounded)?.abs()? - bound)?
-                .flatten_all()?
-                .max(0)?
-                .to_scalar::<f32>()?;
-            assert!(
-                excess <= 0.0,
-                "{dt:?} b{b} hq{hq} hkv{hkv} l{l} s{s} e{e} ev{ev} causal={causal} masked={masked}: off by more than 1 ulp ({excess})"
-            );
+        let label = format!("b{b} hq{hq} hkv{hkv} l{l} s{s} e{e} ev{ev} causal={causal} masked={masked}");
+        check_amx_precision(&q, &k, &v, mask.as_ref(), c, &label, &[DType::F16, DType::BF16])?;
+    }
+    Ok(())
+}
+
+/// The bound of [`amx_precision_matches_f32_math`]: our f16 and bf16 results against f32
+/// math on the same rounded inputs, rounded to the dtype.
+fn check_amx_precision(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    c: Option<Causal>,
+    label: &str,
+    dtypes: &[DType],
+) -> Result<()> {
+    let vmax = v.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+    for (dt, ulp, p_err) in [
+        (DType::F16, 2f32.powi(-10), 0.0),
+        (DType::BF16, 2f32.powi(-7), 2f64.powi(-9)),
+    ] {
+        if !dtypes.contains(&dt) {
+            continue;
         }
+        let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+        let ours = sdpa(&q, &k, &v, mask, c, 0.125)?.to_dtype(DType::F32)?;
+        let f32_math = sdpa(
+            &q.to_dtype(DType::F32)?,
+            &k.to_dtype(DType::F32)?,
+            &v.to_dtype(DType::F32)?,
+            mask,
+            c,
+            0.125,
+        )?;
+        let rounded = f32_math.to_dtype(dt)?.to_dtype(DType::F32)?;
+        // |ours − rounded| ≤ one ulp of the f32 result, plus 2e-5 ≈ 2⁻¹⁶ · max|v| for
+        // the f32 rounding of either path (dropping an f16 component costs ~2⁻⁹ · |v|),
+        // plus the bf16 probability rounding.
+        let bound = ((f32_math.abs()? * ulp as f64)? + (2e-5 + p_err * vmax))?;
+        let excess = ((ours - &rounded)?.abs()? - bound)?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert!(excess <= 0.0, "{dt:?} {label}: off by more than 1 ulp ({excess})");
+    }
+    Ok(())
+}
+
+/// Scores that grow along the keys, slowly (the AMX softmax keeps its stale running
+/// maximum: probabilities up to 2^8) and fast (every 256-key super-block exceeds it by
+/// more than 2^8 and is redone against its own maximum); also on causal rows, whose
+/// first visible block differs per row. Score `j` of a row is about
+/// `0.125 · 64 · g(j)` for keys `k_j ≈ g(j)·1` and queries of ones.
+#[test]
+fn amx_lazy_rescale_follows_growing_scores() -> Result<()> {
+    let mut rng = Rng(0x1a2e_5ca1);
+    let dev = Device::Cpu;
+    let (l, s, e, ev) = (160, 1024, 64, 64);
+    // Per 256 keys the scores grow by 8·256·slope nats: 1 (≈ 1.4 in log2, lazy), 8
+    // (≈ 11.5, redone), 16 (≈ 23) and 64 (≈ 92: without the redo, probabilities would
+    // overflow f32 by the last block). Scores that large (~256) put the f16 path's
+    // dropped lo·lo product term above this test's one-ulp bound, though still far
+    // inside the f16 tolerance, so those slopes run in bf16 only. At 1/8, a causal row's
+    // hidden keys in its diagonal block score up to ~370 (log2) above its visible ones:
+    // counted in the block maximum, they would flush every visible probability to 0.
+    let both = [DType::F16, DType::BF16];
+    for (slope, causal, dtypes) in [
+        (1.0 / 2048.0, false, &both[..]),
+        (1.0 / 256.0, false, &both[..]),
+        (1.0 / 128.0, false, &both[..]),
+        (1.0 / 128.0, true, &both[..]),
+        (1.0 / 32.0, true, &[DType::BF16][..]),
+        (1.0 / 8.0, true, &[DType::BF16][..]),
+    ] {
+        let qv: Vec<f32> = (0..l * e).map(|_| 1.0 + 0.01 * rng.uniform()).collect();
+        let kv: Vec<f32> = (0..s * e)
+            .map(|i| (i / e) as f32 * slope + 0.05 * (rng.uniform() - 0.5))
+            .collect();
+        let q = Tensor::from_vec(qv, (1, 1, l, e), &dev)?;
+        let k = Tensor::from_vec(kv, (1, 1, s, e), &dev)?;
+        let v = Tensor::from_vec(rng.vec(s * ev, 1.5), (1, 1, s, ev), &dev)?;
+        let c = causal.then_some(Causal {
+            offset: s as isize - l as isize,
+            window: None,
+        });
+        check_amx_precision(
+            &q,
+            &k,
+            &v,
+            None,
+            c,
+            &format!("slope {slope} causal={causal}"),
+            dtypes,
+        )?;
     }
     Ok(())
 }

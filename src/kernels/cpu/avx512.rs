@@ -33,20 +33,22 @@ pub(crate) unsafe fn exp2_512(x: __m512) -> __m512 {
     _mm512_maskz_scalef_ps(valid, y, n)
 }
 
-/// [`exp2_512`] with a shorter polynomial for the AMX path, where the probabilities are
-/// rounded to bf16 components anyway: degree 3 (relative error < 1.1e-4, against 2⁻⁹
-/// for one bf16) when `HI_ONLY`, else degree 4 (< 3e-6, against 2⁻¹⁶ for `hi + lo`).
+/// [`exp2_512`] on the lanes of `keep` (0 elsewhere) with a shorter polynomial, for the
+/// AMX path, where the probabilities are rounded to bf16 components anyway: degree 3
+/// (relative error < 1.1e-4, against 2⁻⁹ for one bf16) when `HI_ONLY`, else degree 4
+/// (< 3e-6, against 2⁻¹⁶ for `hi + lo`). Lanes below -126 (-inf included) give 0, as in
+/// [`exp2_512`]; the one masked compare that finds them also applies `keep`, and the
+/// polynomial's value in lanes it drops (NaN for -inf) is never used, so no clamp is
+/// needed.
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn exp2_512_short<const HI_ONLY: bool>(x: __m512) -> __m512 {
-    let lo = _mm512_set1_ps(-126.0);
-    let valid = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lo);
-    let xc = _mm512_max_ps(x, lo);
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
-    let f = _mm512_sub_ps(xc, n);
+unsafe fn exp2_512_short<const HI_ONLY: bool>(x: __m512, keep: __mmask16) -> __m512 {
+    let valid = _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(keep, x, _mm512_set1_ps(-126.0));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+    let f = _mm512_sub_ps(x, n);
     let y = if HI_ONLY {
         let mut y = _mm512_set1_ps(5.500_842e-2);
         y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.242_209_99));
@@ -61,6 +63,12 @@ unsafe fn exp2_512_short<const HI_ONLY: bool>(x: __m512) -> __m512 {
     };
     _mm512_maskz_scalef_ps(valid, y, n)
 }
+
+/// How far (log2) a row's running maximum may fall behind a new block's maximum before
+/// the AMX softmax rescales: the lazy rescaling of FlashAttention-4. Probabilities then
+/// stay below 2^8 = 256, far inside the f32 and bf16 range, and the normalisation by the
+/// row sum at the end is unchanged.
+const LAZY_RESCALE_LOG2: f32 = 8.0;
 
 /// Element kinds of the decode kernels' K/V rows, read straight from the source tensor
 /// and widened to f32 in registers.
@@ -1035,10 +1043,16 @@ fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
 }
 
 /// Online-softmax update of one score row of the AMX path (`x.len()` a multiple of 16):
-/// `y = c·x` on the visible keys `[a, z)`, `m_new = max(m_old, max y)`,
-/// `p = 2^(y − m_new)` (0 outside `[a, z)`), stored as bf16 components `hi = bf16(p)`
-/// and, unless `lo` is null, `lo = bf16(p − hi)` (`x.len()` each). Returns `(m_new, alpha = 2^(m_old − m_new),
-/// Σ p)`; when `m_new` is -inf, `hi` and `lo` are zero and `(−inf, 1, 0)` is returned.
+/// `y = c·x` on the visible keys `[a, z)`, `p = 2^(y − m_new)` (0 outside `[a, z)`),
+/// stored as bf16 components `hi = bf16(p)` and, unless `lo` is null, `lo = bf16(p − hi)`
+/// (`x.len()` each). Returns `(m_new, alpha = 2^(m_old − m_new), Σ p)`; when `m_new` is
+/// -inf, `hi` and `lo` are zero and `(−inf, 1, 0)` is returned.
+///
+/// The reference `m_new` is the row's running maximum, rescaled lazily: a row's first
+/// visible block sets it to that block's maximum, and later blocks keep `m_new = m_old`
+/// (`alpha = 1`, one pass over the row, no rescale of the output) unless their maximum
+/// exceeds it by more than [`LAZY_RESCALE_LOG2`], when `m_new` becomes their maximum
+/// (a second pass). `p ≤ 2^8` either way.
 ///
 /// # Safety
 /// AVX-512F and AVX512-BF16 must be available; `hi` (and `lo`, unless null) hold
@@ -1071,12 +1085,24 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
 ) -> (f32, f32, f32) {
     let w = x.len();
     debug_assert!(w.is_multiple_of(16) && a <= z && z <= w);
+    if m_old > f32::NEG_INFINITY {
+        // One pass against the running maximum, tracking this block's own maximum.
+        let (sum, t_max) = exp_pass::<HI_ONLY>(x, (a, z), c, m_old, hi, lo);
+        if t_max <= LAZY_RESCALE_LOG2 {
+            return (m_old, 1.0, sum);
+        }
+        // The block's maximum ran ahead: redo the row against it.
+        let m_new = m_old + t_max;
+        let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
+        let alpha = _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)));
+        return (m_new, alpha, sum);
+    }
+    // The row's first visible block: its maximum first, then the exponentials.
     let xp = x.as_ptr();
     let cv = _mm512_set1_ps(c);
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let full = a == 0 && z == w;
     let mask = |i: usize| if full { 0xffff } else { chunk_mask(i, (a, z)) };
-    // Pass 1: the row maximum of y = c·x (not stored: pass 2 recomputes it).
     let (mut m0, mut m1) = (ninf, ninf);
     let mut i = 0;
     while i + 32 <= w {
@@ -1096,8 +1122,7 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
             _mm512_mask_mul_ps(ninf, mask(i), _mm512_loadu_ps(xp.add(i)), cv),
         );
     }
-    let bm = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
-    let m_new = if bm > m_old { bm } else { m_old };
+    let m_new = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
     if m_new == f32::NEG_INFINITY {
         std::ptr::write_bytes(hi, 0, w);
         if !HI_ONLY {
@@ -1105,13 +1130,38 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
         }
         return (m_new, 1.0, 0.0);
     }
-    // Pass 2: p = 2^(c·x − m_new), as fmsub; invisible lanes are forced to -inf → 0.
-    let mv = _mm512_set1_ps(m_new);
+    let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
+    (m_new, 1.0, sum)
+}
+
+/// `p = 2^(c·x − m)` on the visible keys `[a, z)` (0 elsewhere) stored as bf16 components
+/// (see [`softmax_row_bf16`]); returns `(Σ p, max over visible keys of c·x − m)` (the
+/// latter -inf when no key is visible or all are -inf).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn exp_pass<const HI_ONLY: bool>(
+    x: &[f32],
+    (a, z): (usize, usize),
+    c: f32,
+    m: f32,
+    hi: *mut u16,
+    lo: *mut u16,
+) -> (f32, f32) {
+    let w = x.len();
+    let xp = x.as_ptr();
+    let cv = _mm512_set1_ps(c);
+    let mv = _mm512_set1_ps(m);
+    let full = a == 0 && z == w;
     let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut tm = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut i = 0;
     while i < w {
-        let t = _mm512_mask_mov_ps(ninf, mask(i), _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv));
-        let ei = exp2_512_short::<HI_ONLY>(t);
+        let keep = if full { 0xffff } else { chunk_mask(i, (a, z)) };
+        let t = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
+        // `max(t, tm)` returns `tm` where `t` is NaN: NaN scores count as invisible here,
+        // as in `exp2_512_short`.
+        tm = _mm512_mask_max_ps(tm, keep, t, tm);
+        let ei = exp2_512_short::<HI_ONLY>(t, keep);
         if i % 32 == 0 {
             s0 = _mm512_add_ps(s0, ei);
         } else {
@@ -1124,13 +1174,10 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
         );
         i += 16;
     }
-    let sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-    let alpha = if m_old == m_new {
-        1.0
-    } else {
-        _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)))
-    };
-    (m_new, alpha, sum)
+    (
+        _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)),
+        _mm512_reduce_max_ps(tm),
+    )
 }
 
 /// `dst[x] = f16(src[x])`, rounding to nearest even (as `half::f16::from_f32`).
