@@ -272,6 +272,32 @@ unsafe fn stage_rows(
     }
 }
 
+/// The rows `j0 .. j0 + BK` of `(b, kvh)` read in place, when staging them would only
+/// copy: a bf16 source (one component) with unit inner stride, a full block of [`BK`]
+/// rows, `width == wpad`, and an even row stride (the K transposes read 32-bit pairs).
+/// Returns the elements from row `j0` to the end of row `j0 + BK − 1` and the row stride.
+fn direct_rows<'a>(
+    src: &View<'a>,
+    (b, kvh, j0, nk): (usize, usize, usize, usize),
+    (width, wpad): (usize, usize),
+    comps: usize,
+) -> Option<(&'a [u16], usize)> {
+    let Data::BF16(d) = src.data else {
+        return None;
+    };
+    let rs = src.strides[2];
+    if comps != 1 || src.strides[3] != 1 || nk != BK || width != wpad || rs % 2 != 0 || rs < width {
+        return None;
+    }
+    let off = src.row_offset(b, kvh, j0);
+    let rows = d.get(off..off + (BK - 1) * rs + width)?;
+    // SAFETY: bf16 is a 16-bit plain-old-data type; the slice is reinterpreted in place.
+    Some((
+        unsafe { std::slice::from_raw_parts(rows.as_ptr() as *const u16, rows.len()) },
+        rs,
+    ))
+}
+
 /// Packs keys `j0 .. j0 + nk` (≤ [`BK`]) of `(b, kvh)` into `dst` ([`k_len`] elements).
 /// `rows` is scratch of `comps × BK × e_pad(e)` elements, `tmp` of `e` floats.
 ///
@@ -293,26 +319,32 @@ pub(crate) unsafe fn pack_k(
     let ep = e_pad(e);
     let rlen = BK * ep;
     assert!(nk <= BK && dst.len() >= k_len(e, comps) && rows.len() >= comps * rlen && tmp.len() >= e);
-    stage_rows(k, (b, kvh, j0, nk), (e, ep), comps, rows, tmp);
+    let (staged, rs) = match direct_rows(k, (b, kvh, j0, nk), (e, ep), comps) {
+        Some(direct) => direct,
+        None => {
+            stage_rows(k, (b, kvh, j0, nk), (e, ep), comps, rows, tmp);
+            (&rows[..comps * rlen], ep)
+        }
+    };
     // VNNI: tile (panel, t) row r, key c = the u32 pair (2r, 2r + 1) of key
     // `panel·16 + c` in contraction tile t.
     let kt = ep / TK;
     let clen = (BK / NR) * kt * TILE;
     // That is a 16×16 transpose of 32-bit pairs: the 16 keys' pairs of tile t (rows of
-    // stride `ep / 2` pairs) become the tile's 16 rows of 16 pairs.
+    // stride `rs / 2` pairs) become the tile's 16 rows of 16 pairs.
     for c in 0..comps {
-        let src = &rows[c * rlen..(c + 1) * rlen];
+        let src = &staged[c * rlen..];
         for panel in 0..BK / NR {
             for t in 0..kt {
                 let tile = &mut dst[c * clen + (panel * kt + t) * TILE..][..TILE];
-                let first = &src[panel * NR * ep + t * TK..(panel * NR + NR - 1) * ep + (t + 1) * TK];
+                let first = &src[panel * NR * rs + t * TK..(panel * NR + NR - 1) * rs + (t + 1) * TK];
                 // SAFETY: `first` holds the 16 key rows of 32 elements at stride `ep`
                 // (bounds checked by the slice), `tile` 16 rows of 32; the transpose
                 // only moves bits, and AVX-512F comes with `available()`.
                 unsafe {
                     super::avx512::transpose16(
                         first.as_ptr() as *const f32,
-                        ep / 2,
+                        rs / 2,
                         tile.as_mut_ptr() as *mut f32,
                         TK / 2,
                     )
@@ -344,19 +376,25 @@ pub(crate) unsafe fn pack_v(
     let evp = ev.div_ceil(NR) * NR;
     let rlen = BK * evp;
     assert!(nk <= BK && dst.len() >= v_len(ev, comps) && rows.len() >= comps * rlen && tmp.len() >= ev);
-    stage_rows(v, (b, kvh, j0, nk), (ev, evp), comps, rows, tmp);
+    let (staged, rs) = match direct_rows(v, (b, kvh, j0, nk), (ev, evp), comps) {
+        Some(direct) => direct,
+        None => {
+            stage_rows(v, (b, kvh, j0, nk), (ev, evp), comps, rows, tmp);
+            (&rows[..comps * rlen], evp)
+        }
+    };
     // VNNI: tile (panel, t) row r, column c = values (key t·32 + 2r, column panel·16 + c)
     // and (key t·32 + 2r + 1, same column).
     let nvp = evp / NR;
     let clen = nvp * (BK / TK) * TILE;
     for c in 0..comps {
-        let src = &rows[c * rlen..(c + 1) * rlen];
+        let src = &staged[c * rlen..];
         for panel in 0..nvp {
             for t in 0..BK / TK {
                 let tile = &mut dst[c * clen + (panel * (BK / TK) + t) * TILE..][..TILE];
                 for r in 0..TM {
-                    let k0 = &src[(t * TK + 2 * r) * evp + panel * NR..][..NR];
-                    let k1 = &src[(t * TK + 2 * r + 1) * evp + panel * NR..][..NR];
+                    let k0 = &src[(t * TK + 2 * r) * rs + panel * NR..][..NR];
+                    let k1 = &src[(t * TK + 2 * r + 1) * rs + panel * NR..][..NR];
                     // The two keys' 16 values interleaved: each 32-bit lane is the pair
                     // (k0[col], k1[col]), k0 in the low half.
                     // SAFETY: `k0`, `k1` hold 16 elements and `tile` row `r` 32 (bounds
