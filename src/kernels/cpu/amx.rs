@@ -286,7 +286,7 @@ fn direct_rows<'a>(
         return None;
     };
     let rs = src.strides[2];
-    if comps != 1 || src.strides[3] != 1 || nk != BK || width != wpad || rs % 2 != 0 || rs < width {
+    if comps != 1 || src.strides[3] != 1 || nk != BK || width != wpad || !rs.is_multiple_of(2) || rs < width {
         return None;
     }
     let off = src.row_offset(b, kvh, j0);
