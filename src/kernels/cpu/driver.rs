@@ -313,7 +313,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Computes the attention output, `(B, Hq, L, Ev)` row-major.
 pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
-    let (b, hkv, l, s, e, ev) = (p.b, p.hkv, p.l, p.s, p.e, p.ev);
+    let (b, hkv, l, s, ev) = (p.b, p.hkv, p.l, p.s, p.ev);
     let g_sz = p.group();
     let total_rows = b * p.hq * l;
     if total_rows == 0 || ev == 0 || s == 0 {
@@ -348,136 +348,7 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
     }
     assert!(rest.is_empty(), "row blocks must tile the output");
 
-    'work: {
-        // Visible-key union of a block's rows.
-        let union = |blk: &Block| -> (usize, usize) {
-            let (mut lo, mut hi) = (usize::MAX, 0);
-            for r in blk.r0..blk.r0 + blk.n {
-                let (a, z) = p.row_range(r % l);
-                if a < z {
-                    lo = lo.min(a);
-                    hi = hi.max(z);
-                }
-            }
-            (lo, hi)
-        };
-        let cost = |blk: &Block, ks0: usize, ks1: usize| -> usize {
-            let mut c = 0;
-            for r in blk.r0..blk.r0 + blk.n {
-                let (a, z) = p.row_range(r % l);
-                let (a, z) = (a.max(ks0), z.min(ks1));
-                c += z.saturating_sub(a) + 16;
-            }
-            c
-        };
-
-        let nt = rayon::current_num_threads().max(1);
-        if gblocks.len() == 1 {
-            // Streaming (decode-style) path: every group is one block, so K/V are packed
-            // block by block inside the work item (each K/V row is read once per group);
-            // with few groups the key range is split across threads and merged by LSE.
-            let nsplit = if ngroups < 2 * nt {
-                (2 * nt).div_ceil(ngroups).min((s / MIN_SPLIT_KEYS).max(1)).max(1)
-            } else {
-                1
-            };
-            let mut items = Vec::new();
-            for (bi, blk) in blocks.iter().enumerate() {
-                let (lo, hi) = union(blk);
-                if lo >= hi {
-                    continue;
-                }
-                let lo_a = lo / BK * BK;
-                let chunk = (hi - lo_a).div_ceil(nsplit).div_ceil(BK) * BK;
-                let mut k0 = lo_a;
-                while k0 < hi {
-                    let k1 = (k0 + chunk).min(hi);
-                    items.push(Item {
-                        blk: bi,
-                        ks0: k0,
-                        ks1: k1,
-                        cost: cost(blk, k0, k1),
-                    });
-                    k0 = k1;
-                }
-            }
-            items.sort_by_key(|it| std::cmp::Reverse(it.cost));
-            let rows_pad = rows_per_group.div_ceil(ROW_ALIGN) * ROW_ALIGN;
-            let src = if rows_pad <= DECODE_MAX_ROWS && e.is_multiple_of(K_ALIGN) {
-                KvSrc::Rows
-            } else {
-                KvSrc::Stream
-            };
-            if nsplit == 1 {
-                run_dynamic(items.len(), e, ev, |i, sc| {
-                    let it = items[i];
-                    let blk = blocks[it.blk];
-                    run_block(p, &blk, it.ks0, it.ks1, src, sc);
-                    if let Some(dst) = lock(&slots[it.blk]).take() {
-                        finish(p, blk.n, sc, dst);
-                    }
-                });
-            } else {
-                let partials: Vec<Mutex<Option<Partial>>> = items.iter().map(|_| Mutex::new(None)).collect();
-                run_dynamic(items.len(), e, ev, |i, sc| {
-                    let it = items[i];
-                    let blk = blocks[it.blk];
-                    run_block(p, &blk, it.ks0, it.ks1, src, sc);
-                    *lock(&partials[i]) = Some(Partial::from_scratch(p, blk.n, sc));
-                });
-                let mut per_block: Vec<Vec<Partial>> = blocks.iter().map(|_| Vec::new()).collect();
-                for (it, part) in items.iter().zip(partials) {
-                    if let Some(pt) = part.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                        per_block[it.blk].push(pt);
-                    }
-                }
-                per_block
-                    .par_iter()
-                    .zip(slots.par_iter())
-                    .zip(blocks.par_iter())
-                    .for_each(|((parts, slot), blk)| {
-                        if let Some(dst) = lock(slot).take() {
-                            merge::<T>(blk.n, ev, parts, dst);
-                        }
-                    });
-            }
-            break 'work;
-        }
-
-        let nbg = gblocks.len();
-        #[cfg(target_arch = "x86_64")]
-        if let Some(plan) = p.amx {
-            // The prefill path on AMX: bf16 VNNI packs (see `amx`).
-            let (kbl, vbl) = (amx::k_len(e, plan.comps), amx::v_len(ev, plan.comps));
-            let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
-            prefill::<T, u16, _>(
-                p,
-                (&blocks, &slots, nbg, &cost),
-                (kbl, vbl),
-                || (vec![0f32; e.max(ev)], vec![0u16; stage]),
-                |(tmp, rows), (kc, vc), (bb, kvh, j0, nk)| {
-                    // SAFETY: `p.amx` is only set after `amx::available()`.
-                    unsafe {
-                        amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
-                        amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
-                    }
-                },
-                |g| KvSrc::PackedAmx(g),
-            );
-            break 'work;
-        }
-        prefill::<T, f32, _>(
-            p,
-            (&blocks, &slots, nbg, &cost),
-            (k_block_len(BK, e), v_block_len(BK, ev)),
-            || vec![0f32; NR * e.max(ev.div_ceil(NR) * NR)],
-            |tmp, (kc, vc), (bb, kvh, j0, nk)| {
-                pack_k(p.isa, &p.k, bb, kvh, j0, nk, e, kc, tmp);
-                pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
-            },
-            |g| KvSrc::Packed(g),
-        );
-    }
+    work(p, &blocks, gblocks.len(), &slots);
     for slot in &slots {
         if let Some(dst) = lock(slot).take() {
             dst.fill(MaybeUninit::new(T::default()));
@@ -489,6 +360,146 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
     // `merge`, or with zeros just above.
     unsafe { out.set_len(total_rows * ev) };
     out
+}
+
+/// The work of [`run`]: the attention of every row block (`nbg` per group), each written
+/// to its output slot once its work is done.
+fn work<T: OutElem>(
+    p: &Problem,
+    blocks: &[Block],
+    nbg: usize,
+    slots: &[Mutex<Option<&mut [MaybeUninit<T>]>>],
+) {
+    let (b, hkv, l, s, e, ev) = (p.b, p.hkv, p.l, p.s, p.e, p.ev);
+    let ngroups = b * hkv;
+    let rows_per_group = p.group() * l;
+    // Visible-key union of a block's rows.
+    let union = |blk: &Block| -> (usize, usize) {
+        let (mut lo, mut hi) = (usize::MAX, 0);
+        for r in blk.r0..blk.r0 + blk.n {
+            let (a, z) = p.row_range(r % l);
+            if a < z {
+                lo = lo.min(a);
+                hi = hi.max(z);
+            }
+        }
+        (lo, hi)
+    };
+    let cost = |blk: &Block, ks0: usize, ks1: usize| -> usize {
+        let mut c = 0;
+        for r in blk.r0..blk.r0 + blk.n {
+            let (a, z) = p.row_range(r % l);
+            let (a, z) = (a.max(ks0), z.min(ks1));
+            c += z.saturating_sub(a) + 16;
+        }
+        c
+    };
+
+    let nt = rayon::current_num_threads().max(1);
+    if nbg == 1 {
+        // Streaming (decode-style) path: every group is one block, so K/V are packed
+        // block by block inside the work item (each K/V row is read once per group);
+        // with few groups the key range is split across threads and merged by LSE.
+        let nsplit = if ngroups < 2 * nt {
+            (2 * nt).div_ceil(ngroups).min((s / MIN_SPLIT_KEYS).max(1)).max(1)
+        } else {
+            1
+        };
+        let mut items = Vec::new();
+        for (bi, blk) in blocks.iter().enumerate() {
+            let (lo, hi) = union(blk);
+            if lo >= hi {
+                continue;
+            }
+            let lo_a = lo / BK * BK;
+            let chunk = (hi - lo_a).div_ceil(nsplit).div_ceil(BK) * BK;
+            let mut k0 = lo_a;
+            while k0 < hi {
+                let k1 = (k0 + chunk).min(hi);
+                items.push(Item {
+                    blk: bi,
+                    ks0: k0,
+                    ks1: k1,
+                    cost: cost(blk, k0, k1),
+                });
+                k0 = k1;
+            }
+        }
+        items.sort_by_key(|it| std::cmp::Reverse(it.cost));
+        let rows_pad = rows_per_group.div_ceil(ROW_ALIGN) * ROW_ALIGN;
+        let src = if rows_pad <= DECODE_MAX_ROWS && e.is_multiple_of(K_ALIGN) {
+            KvSrc::Rows
+        } else {
+            KvSrc::Stream
+        };
+        if nsplit == 1 {
+            run_dynamic(items.len(), e, ev, |i, sc| {
+                let it = items[i];
+                let blk = blocks[it.blk];
+                run_block(p, &blk, it.ks0, it.ks1, src, sc);
+                if let Some(dst) = lock(&slots[it.blk]).take() {
+                    finish(p, blk.n, sc, dst);
+                }
+            });
+        } else {
+            let partials: Vec<Mutex<Option<Partial>>> = items.iter().map(|_| Mutex::new(None)).collect();
+            run_dynamic(items.len(), e, ev, |i, sc| {
+                let it = items[i];
+                let blk = blocks[it.blk];
+                run_block(p, &blk, it.ks0, it.ks1, src, sc);
+                *lock(&partials[i]) = Some(Partial::from_scratch(p, blk.n, sc));
+            });
+            let mut per_block: Vec<Vec<Partial>> = blocks.iter().map(|_| Vec::new()).collect();
+            for (it, part) in items.iter().zip(partials) {
+                if let Some(pt) = part.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                    per_block[it.blk].push(pt);
+                }
+            }
+            per_block
+                .par_iter()
+                .zip(slots.par_iter())
+                .zip(blocks.par_iter())
+                .for_each(|((parts, slot), blk)| {
+                    if let Some(dst) = lock(slot).take() {
+                        merge::<T>(blk.n, ev, parts, dst);
+                    }
+                });
+        }
+        return;
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    if let Some(plan) = p.amx {
+        // The prefill path on AMX: bf16 VNNI packs (see `amx`).
+        let (kbl, vbl) = (amx::k_len(e, plan.comps), amx::v_len(ev, plan.comps));
+        let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
+        prefill::<T, u16, _>(
+            p,
+            (blocks, slots, nbg, &cost),
+            (kbl, vbl),
+            || (vec![0f32; e.max(ev)], vec![0u16; stage]),
+            |(tmp, rows), (kc, vc), (bb, kvh, j0, nk)| {
+                // SAFETY: `p.amx` is only set after `amx::available()`.
+                unsafe {
+                    amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
+                    amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
+                }
+            },
+            |g| KvSrc::PackedAmx(g),
+        );
+        return;
+    }
+    prefill::<T, f32, _>(
+        p,
+        (blocks, slots, nbg, &cost),
+        (k_block_len(BK, e), v_block_len(BK, ev)),
+        || vec![0f32; NR * e.max(ev.div_ceil(NR) * NR)],
+        |tmp, (kc, vc), (bb, kvh, j0, nk)| {
+            pack_k(p.isa, &p.k, bb, kvh, j0, nk, e, kc, tmp);
+            pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
+        },
+        |g| KvSrc::Packed(g),
+    );
 }
 
 /// `(blocks, output slots, row blocks per group, cost of a block's key range)`.
