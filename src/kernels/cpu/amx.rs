@@ -338,7 +338,7 @@ pub(crate) unsafe fn pack_k(
             for t in 0..kt {
                 let tile = &mut dst[c * clen + (panel * kt + t) * TILE..][..TILE];
                 let first = &src[panel * NR * rs + t * TK..(panel * NR + NR - 1) * rs + (t + 1) * TK];
-                // SAFETY: `first` holds the 16 key rows of 32 elements at stride `ep`
+                // SAFETY: `first` holds the 16 key rows of 32 elements at stride `rs`
                 // (bounds checked by the slice), `tile` 16 rows of 32; the transpose
                 // only moves bits, and AVX-512F comes with `available()`.
                 unsafe {
