@@ -405,6 +405,25 @@ impl OutElem for f32 {
     }
 }
 
+/// The non-AVX-512 [`OutElem::store`] of the half types: `half`'s slice conversion (SIMD
+/// where the CPU has it, unlike a per-element `from_f32`) through a stack chunk, then
+/// copied into the possibly uninitialised `dst`.
+fn store_converted<T: Copy + Default>(
+    dst: &mut [MaybeUninit<T>],
+    src: &[f32],
+    convert: impl Fn(&mut [T], &[f32]),
+) {
+    const CHUNK: usize = 64;
+    let mut buf = [T::default(); CHUNK];
+    for (d, s) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)) {
+        let b = &mut buf[..s.len()];
+        convert(b, s);
+        for (x, &y) in d.iter_mut().zip(b.iter()) {
+            x.write(y);
+        }
+    }
+}
+
 impl OutElem for f16 {
     #[inline]
     fn store(dst: &mut [MaybeUninit<f16>], src: &[f32]) {
@@ -414,9 +433,7 @@ impl OutElem for f16 {
             // SAFETY: AVX-512F was detected just above; `dst` holds `src.len()` elements.
             return unsafe { super::avx512::store_f16(dst.as_mut_ptr().cast(), src) };
         }
-        for (d, &x) in dst.iter_mut().zip(src) {
-            d.write(f16::from_f32(x));
-        }
+        store_converted(dst, src, |b, s| b.convert_from_f32_slice(s));
     }
 }
 
@@ -431,9 +448,7 @@ impl OutElem for bf16 {
             // elements.
             return unsafe { super::avx512::store_bf16(dst.as_mut_ptr().cast(), src) };
         }
-        for (d, &x) in dst.iter_mut().zip(src) {
-            d.write(bf16::from_f32(x));
-        }
+        store_converted(dst, src, |b, s| b.convert_from_f32_slice(s));
     }
 }
 
