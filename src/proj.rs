@@ -13,12 +13,29 @@ use crate::sdpa::compute_dtype;
 pub struct Proj {
     weight: Tensor,
     bias: Option<Tensor>,
+    /// The weight packed for the CPU kernel, made on the second call that takes it and
+    /// shared by clones (`None` inside: the pack cache's budget was full then).
+    #[cfg(target_arch = "x86_64")]
+    packed: std::sync::Arc<PackCache>,
+}
+
+/// [`Proj`]'s packed weight and whether a product has already run without it.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Default)]
+struct PackCache {
+    used: std::sync::atomic::AtomicBool,
+    packed: std::sync::OnceLock<Option<crate::kernels::cpu::linear::PackedWeight>>,
 }
 
 impl Proj {
     /// A projection from its tensors.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { weight, bias }
+        Self {
+            weight,
+            bias,
+            #[cfg(target_arch = "x86_64")]
+            packed: Default::default(),
+        }
     }
 
     /// Loads `<prefix>.weight` `(out, in)` and, with `bias`, `<prefix>.bias` `(out)`:
@@ -30,7 +47,7 @@ impl Proj {
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        Ok(Self::new(weight, bias))
     }
 
     /// The weight, `(out, in)`.
@@ -43,15 +60,33 @@ impl Proj {
         self.bias.as_ref()
     }
 
-    /// `x · Wᵀ + b` for `x (rows, in)` and `b (out)` in the accumulation dtype `cd`, and
-    /// `w (out, in)` as stored: for f32 `x` on a CPU with AVX-512, the fused kernel's
-    /// register-tiled product (`kernels::cpu`), which converts an f16/bf16 `w` while
-    /// packing it; everywhere else candle's `matmul` on `w` converted to `cd`.
+    /// `x · Wᵀ + b` for `x (rows, in)` and `b (out)` in the accumulation dtype `cd`: for
+    /// f32 `x` on a CPU with AVX-512, the fused kernel's register-tiled product
+    /// (`kernels::cpu`) against the weight packed into f32 panels (an f16/bf16 weight is
+    /// converted there); everywhere else candle's `matmul` on the weight converted to `cd`.
     /// `tests/proj.rs` checks that the two agree.
-    fn matmul_bias(x: &Tensor, w: &Tensor, b: Option<&Tensor>, cd: DType) -> Result<Tensor> {
+    ///
+    /// The kernel packs the weight for each product into a per-thread buffer. From the
+    /// second product on, the projection keeps its pack (`4 · out · in` bytes), so later
+    /// calls skip that step (8% of a 1024×768×768 product), as long as all packs kept in
+    /// the process fit the budget `CANDLE_ATTENTION_PACK_CACHE_MB` (256 MiB by default;
+    /// 0 keeps none). A weight used once is never kept.
+    fn matmul_bias(&self, x: &Tensor, b: Option<&Tensor>, cd: DType) -> Result<Tensor> {
+        let w = &self.weight;
         #[cfg(target_arch = "x86_64")]
         if crate::kernels::cpu::linear::applies(x, w) {
-            return crate::kernels::cpu::linear::linear(x, w, b);
+            use crate::kernels::cpu::linear::{linear, linear_packed, PackedWeight};
+            use std::sync::atomic::Ordering;
+            let cache = &self.packed;
+            if cache.packed.get().is_none() && cache.used.swap(true, Ordering::Relaxed) {
+                let made = PackedWeight::cached(w)?;
+                // A racing thread's pack may win; the loser's is dropped.
+                let _ = cache.packed.set(made);
+            }
+            return match cache.packed.get() {
+                Some(Some(p)) => linear_packed(x, p, b),
+                _ => linear(x, w, b),
+            };
         }
         Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)
     }
@@ -80,7 +115,7 @@ impl Proj {
         let rows = x.elem_count() / in_dim.max(1);
         let x2 = x.to_dtype(cd)?.reshape((rows, in_dim))?;
         let bias = self.bias.as_ref().map(|b| b.to_dtype(cd)).transpose()?;
-        let y = Self::matmul_bias(&x2, &self.weight, bias.as_ref(), cd)?;
+        let y = self.matmul_bias(&x2, bias.as_ref(), cd)?;
         let mut shape = dims.to_vec();
         if let Some(last) = shape.last_mut() {
             *last = out_dim;

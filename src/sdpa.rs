@@ -22,14 +22,16 @@ use crate::mask::{add_masks, AttnMask};
 /// Which implementation computes the attention.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Backend {
-    /// The fastest path that supports the call; the reference path otherwise.
+    /// The fastest path that supports the call; the reference path otherwise, which
+    /// includes every call whose inputs or mask record gradients (built from a `Var`):
+    /// the fused kernel has no backward pass.
     #[default]
     Auto,
     /// The unfused matmul → softmax → matmul path in candle ops: the oracle,
     /// available on every device.
     Reference,
     /// The fused CPU kernel ([`crate::kernels::cpu`]); an error if the call is
-    /// not one it supports.
+    /// not one it supports or records gradients.
     Fused,
 }
 
@@ -292,7 +294,8 @@ pub fn scaled_dot_product_attention(
             )
         }
     }
-    match select_backend(q, &dims, opts)? {
+    let tracked = [q, k, v].iter().any(|t| t.track_op()) || explicit.as_ref().is_some_and(|m| m.track_op());
+    match select_backend(q, &dims, opts, tracked)? {
         Path::Reference => {
             let causal = mask.causal_additive(&score_shape, compute_dtype(q.dtype()), q.device())?;
             let full = add_masks(explicit, causal)?;
@@ -316,11 +319,14 @@ enum Path {
     Fused,
 }
 
-fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions) -> Result<Path> {
+/// `tracked`: whether an input or the explicit mask records gradients (built from a
+/// `Var`); the fused kernel has no backward pass, so `Auto` takes the reference path then.
+fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions, tracked: bool) -> Result<Path> {
     match opts.backend {
         Backend::Reference => Ok(Path::Reference),
         Backend::Auto => Ok(
             if !opts.need_weights
+                && !tracked
                 && opts.softcap.is_none()
                 && opts.sinks.is_none()
                 && crate::kernels::fused_supports(q.device(), q.dtype(), dims)
@@ -334,6 +340,12 @@ fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions) -> Result<Path> {
             if opts.need_weights {
                 candle::bail!(
                     "sdpa: the fused backend does not return attention weights; use Backend::Reference"
+                )
+            }
+            if tracked {
+                candle::bail!(
+                    "sdpa: the fused backend has no backward pass, but q, k, v or the mask record \
+                     gradients (they come from a Var); use Backend::Auto or Backend::Reference"
                 )
             }
             if !crate::kernels::fused_supports(q.device(), q.dtype(), dims) {

@@ -1,8 +1,10 @@
 //! `Proj::forward` (the fused CPU product where it applies) agrees with candle's
 //! `matmul` reference on shapes that exercise partial row tiles (tiles of 14 rows),
 //! partial 16-output panels (masked stores) and an odd panel count, contraction lengths
-//! that are not multiples of 16 (the W pack's 16×16 transposes), several parallel row
-//! blocks, with and without bias.
+//! that are not multiples of 16 (the W pack's 16×16 transposes) or of 4 (the product's
+//! unrolled steps, also after a full chunk of 256), several parallel row
+//! blocks, with and without bias. Every projection is applied twice: the first product
+//! packs the weight for that call only, the second keeps the pack and uses it.
 use candle_attention::Proj;
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -15,12 +17,15 @@ fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
 #[test]
 fn projection_matches_candle_matmul() -> Result<()> {
     let dev = Device::Cpu;
-    // (rows, in, out): tiny (candle's path), row and output padding, > one row block.
+    // (rows, in, out): tiny (candle's path), row and output padding, contraction tails,
+    // > one row block.
     let shapes = [
         (3, 8, 8),
         (14, 64, 64),
         (37, 100, 50),
         (300, 96, 129),
+        (29, 103, 64),
+        (300, 259, 129),
         (1024, 768, 768),
     ];
     for (rows, inp, out) in shapes {
@@ -29,15 +34,17 @@ fn projection_matches_candle_matmul() -> Result<()> {
         let b = Tensor::randn(0f32, 1.0, out, &dev)?;
         for bias in [None, Some(b)] {
             let p = Proj::new(w.clone(), bias.clone());
-            let got = p.forward(&x)?;
             let want = Proj::matmul_bias_reference(&x, &w, bias.as_ref())?;
-            assert_eq!(got.dims(), &[rows, out]);
-            let err = rel_err(&got, &want)?;
-            assert!(
-                err < 1e-5,
-                "rows {rows} in {inp} out {out} bias {}: err {err}",
-                bias.is_some()
-            );
+            for call in ["first", "second"] {
+                let got = p.forward(&x)?;
+                assert_eq!(got.dims(), &[rows, out]);
+                let err = rel_err(&got, &want)?;
+                assert!(
+                    err < 1e-5,
+                    "rows {rows} in {inp} out {out} bias {} ({call} call): err {err}",
+                    bias.is_some()
+                );
+            }
         }
     }
     // Batched input (…, in) and a strided (transposed) input.
@@ -71,16 +78,46 @@ fn half_precision_weights_match_their_f32_product() -> Result<()> {
             for xdt in [wdt, DType::F32] {
                 let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?.to_dtype(xdt)?;
                 let p = Proj::new(w.clone(), Some(b.clone()));
-                let got = p.forward(&x)?;
-                assert_eq!(got.dtype(), DType::F32);
                 let f = |t: &Tensor| t.to_dtype(DType::F32);
                 let want = Proj::matmul_bias_reference(&f(&x)?, &f(&w)?, Some(&f(&b)?))?;
-                let err = rel_err(&got, &want)?;
-                assert!(
-                    err < 1e-5,
-                    "rows {rows} in {inp} out {out} weight {wdt:?} input {xdt:?}: err {err}"
-                );
+                for call in ["first", "second"] {
+                    let got = p.forward(&x)?;
+                    assert_eq!(got.dtype(), DType::F32);
+                    let err = rel_err(&got, &want)?;
+                    assert!(
+                        err < 1e-5,
+                        "rows {rows} in {inp} out {out} weight {wdt:?} input {xdt:?} ({call} call): err {err}"
+                    );
+                }
             }
+        }
+    }
+    Ok(())
+}
+
+/// A weight and input that record gradients (candle `Var`s, as in training) take
+/// candle's differentiable ops: the fused product has no backward pass. The gradients
+/// equal those of the reference product.
+#[test]
+fn trainable_weights_get_gradients() -> Result<()> {
+    let dev = Device::Cpu;
+    let (rows, inp, out) = (64, 96, 80);
+    let w = candle_core::Var::from_tensor(&Tensor::randn(0f32, 0.1, (out, inp), &dev)?)?;
+    let b = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, out, &dev)?)?;
+    let x = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, inp), &dev)?)?;
+    let p = Proj::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+    let dy = Tensor::randn(0f32, 1.0, (rows, out), &dev)?;
+    for call in ["first", "second"] {
+        let grads = (p.forward(x.as_tensor())? * &dy)?.sum_all()?.backward()?;
+        let want = (Proj::matmul_bias_reference(x.as_tensor(), w.as_tensor(), Some(b.as_tensor()))? * &dy)?
+            .sum_all()?
+            .backward()?;
+        for (name, var) in [("weight", &w), ("bias", &b), ("input", &x)] {
+            let got = grads
+                .get(var)
+                .unwrap_or_else(|| panic!("no gradient for the {name} ({call} call)"));
+            let err = rel_err(got, want.get(var).expect("the reference has every gradient"))?;
+            assert!(err < 1e-5, "{name} gradient ({call} call): err {err}");
         }
     }
     Ok(())

@@ -272,3 +272,43 @@ fn fused_backend_errors_when_it_cannot_run() -> Result<()> {
     assert!(msg.contains("weights"), "{msg}");
     Ok(())
 }
+
+/// Inputs or a mask that record gradients (candle `Var`s, as in training) take the
+/// reference path under `Backend::Auto`, so the backward pass reaches every one of them
+/// (a learned additive bias, as T5's relative positions, included); the fused kernel,
+/// which has no backward pass, refuses them.
+#[test]
+fn trainable_inputs_get_gradients() -> Result<()> {
+    use candle_core::Var;
+    let var = |shape: &[usize]| Var::from_tensor(&randn(shape)?);
+    let (q, k, v) = (var(&[2, 4, 33, 16])?, var(&[2, 2, 40, 16])?, var(&[2, 2, 40, 8])?);
+    let bias = var(&[1, 4, 33, 40])?;
+    let dy = randn(&[2, 4, 33, 8])?;
+    let run = |backend: Backend| -> Result<candle_core::backprop::GradStore> {
+        let opts = SdpaOptions::new()
+            .with_gqa(true)
+            .with_causal(true)
+            .with_mask(AttnMask::additive(bias.as_tensor())?)
+            .with_backend(backend);
+        let o = sdpa(q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts)?;
+        (o * &dy)?.sum_all()?.backward()
+    };
+    let (got, want) = (run(Backend::Auto)?, run(Backend::Reference)?);
+    for (name, t) in [("q", &q), ("k", &k), ("v", &v), ("mask", &bias)] {
+        let g = got.get(t).unwrap_or_else(|| panic!("no gradient for {name}"));
+        let d = max_diff(g, want.get(t).expect("the reference has every gradient"))?;
+        assert!(d < 1e-5, "{name} gradient: max diff {d}");
+    }
+    // Any one tracked input is enough for the fused backend to refuse.
+    let plain = randn(&[1, 2, 5, 4])?;
+    let tracked = Var::from_tensor(&plain)?;
+    let opts = SdpaOptions::new().with_backend(Backend::Fused);
+    let msg = err_msg(sdpa(&plain, tracked.as_tensor(), &plain, &opts));
+    assert!(msg.contains("backward"), "{msg}");
+    let opts = opts.with_mask(AttnMask::additive(
+        &Var::from_tensor(&randn(&[5, 5])?)?.as_tensor().clone(),
+    )?);
+    let msg = err_msg(sdpa(&plain, &plain, &plain, &opts));
+    assert!(msg.contains("backward"), "{msg}");
+    Ok(())
+}

@@ -10,6 +10,7 @@ use super::avx512::{self, GEMM_ROWS};
 use super::pack::{pack_k, AVec, Data, View, NR};
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Rows per parallel work item (about; whole register tiles).
 const ROWS: usize = 144;
@@ -24,7 +25,10 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
     let (Ok((rows, inp)), Ok((out, win))) = (x.dims2(), w.dims2()) else {
         return false;
     };
-    x.device().is_cpu()
+    // Tensors that record gradients take candle's ops: this product has no backward.
+    !x.track_op()
+        && !w.track_op()
+        && x.device().is_cpu()
         && w.device().is_cpu()
         && x.dtype() == DType::F32
         && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
@@ -36,30 +40,19 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
 }
 
 /// `x · Wᵀ (+ b)`: x `(rows, in)` and b `(out)` f32, w `(out, in)` f32, bf16 or f16, all
-/// on the CPU; returns `(rows, out)` in f32. Callers check [`applies`] first; shapes are validated again here.
+/// on the CPU; returns `(rows, out)` in f32. `W` is packed for this call only, into a
+/// buffer the calling thread keeps. Callers check [`applies`] first; shapes are
+/// validated again here.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let (rows, inp) = x.dims2()?;
-    let (out, win) = w.dims2()?;
-    if win != inp {
-        candle::bail!(
-            "linear: x {:?} and weight {:?} disagree on in-features",
-            x.dims(),
-            w.dims()
-        );
-    }
-    if let Some(b) = b {
-        if b.dims() != [out] {
-            candle::bail!("linear: bias {:?} does not match weight {:?}", b.dims(), w.dims());
-        }
-    }
-    let (xc, wc) = (x.contiguous()?, w.contiguous()?);
-    let bc = b.map(|b| b.contiguous()).transpose()?;
-    let (xg, xl) = xc.storage_and_layout();
+    let (out, inp) = w.dims2()?;
+    let (rows, xv_t, bc) = operands(x, (out, inp), w, b)?;
+    let wc = w.contiguous()?;
     let (wg, wl) = wc.storage_and_layout();
-    let bg = bc.as_ref().map(|b| b.storage_and_layout());
-    let xv = f32_slice(&xg, xl, x)?;
     let wd = weight_data(&wg, wl, w)?;
-    let bv = match (&bg, b) {
+    let (xg, xl) = xv_t.storage_and_layout();
+    let xv = f32_slice(&xg, xl, x)?;
+    let bg = bc.as_ref().map(|b| b.storage_and_layout());
+    let bv = match (&bg, &bc) {
         (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
         _ => None,
     };
@@ -74,7 +67,8 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
             Err(_) => &mut fresh,
         };
         wp.grow(np * inp * NR);
-        let y = product(xv, wd, bv, (rows, inp, out), &mut wp[..np * inp * NR]);
+        pack_into(wd, (out, inp), &mut wp[..np * inp * NR]);
+        let y = product(xv, &wp[..np * inp * NR], bv, (rows, inp, out));
         // Keep at most `KEEP_FLOATS`, so a large layer's pack is not held.
         if wp.len() > KEEP_FLOATS {
             *wp = AVec::default();
@@ -84,21 +78,125 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     Tensor::from_vec(y, (rows, out), x.device())
 }
 
+/// [`linear`] against a weight packed once by [`PackedWeight::new`].
+pub(crate) fn linear_packed(x: &Tensor, w: &PackedWeight, b: Option<&Tensor>) -> Result<Tensor> {
+    let (rows, xc, bc) = operands(x, (w.out, w.inp), &w.source, b)?;
+    let (xg, xl) = xc.storage_and_layout();
+    let xv = f32_slice(&xg, xl, x)?;
+    let bg = bc.as_ref().map(|b| b.storage_and_layout());
+    let bv = match (&bg, &bc) {
+        (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
+        _ => None,
+    };
+    let y = product(xv, &w.panels, bv, (rows, w.inp, w.out));
+    Tensor::from_vec(y, (rows, w.out), x.device())
+}
+
+/// Checks `x (rows, in)` and `b (out)` against a weight `(out, in)` and returns the row
+/// count with `x` and `b` contiguous.
+fn operands(
+    x: &Tensor,
+    (out, inp): (usize, usize),
+    w: &Tensor,
+    b: Option<&Tensor>,
+) -> Result<(usize, Tensor, Option<Tensor>)> {
+    let (rows, xin) = x.dims2()?;
+    if xin != inp {
+        candle::bail!(
+            "linear: x {:?} and weight {:?} disagree on in-features",
+            x.dims(),
+            w.dims()
+        );
+    }
+    if let Some(b) = b {
+        if b.dims() != [out] {
+            candle::bail!("linear: bias {:?} does not match weight {:?}", b.dims(), w.dims());
+        }
+    }
+    Ok((rows, x.contiguous()?, b.map(|b| b.contiguous()).transpose()?))
+}
+
+/// Bytes of packed weights that [`PackedWeight::cached`] may keep alive at once, all
+/// layers together: `CANDLE_ATTENTION_PACK_CACHE_MB` (MiB; 0 turns caching off), 256 MiB
+/// when unset.
+fn cache_budget() -> usize {
+    static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        let mb = std::env::var("CANDLE_ATTENTION_PACK_CACHE_MB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(256);
+        mb.saturating_mul(1 << 20)
+    })
+}
+
+/// Bytes held by live [`PackedWeight`]s made by [`PackedWeight::cached`].
+static CACHED_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// A weight `(out, in)` packed once into f32 16-output panels `[out / 16][in][16]`, for
+/// layers that apply the same weight many times ([`crate::Proj`]). It counts against a
+/// process-wide budget ([`cache_budget`]) until dropped.
+pub(crate) struct PackedWeight {
+    panels: AVec<f32>,
+    out: usize,
+    inp: usize,
+    /// The weight it was packed from (a cheap handle), for error messages.
+    source: Tensor,
+}
+
+impl PackedWeight {
+    /// Packs `w`, if the budget has room for it; `None` otherwise.
+    pub(crate) fn cached(w: &Tensor) -> Result<Option<Self>> {
+        let (out, inp) = w.dims2()?;
+        let bytes = out.div_ceil(NR) * NR * inp * std::mem::size_of::<f32>();
+        if !reserve(&CACHED_BYTES, bytes, cache_budget()) {
+            return Ok(None);
+        }
+        // From here `packed`'s drop gives the reservation back, also on an error below.
+        let mut packed = Self {
+            panels: AVec::new(out.div_ceil(NR) * NR * inp),
+            out,
+            inp,
+            source: w.clone(),
+        };
+        let wc = w.contiguous()?;
+        let (wg, wl) = wc.storage_and_layout();
+        let wd = weight_data(&wg, wl, w)?;
+        pack_into(wd, (out, inp), &mut packed.panels);
+        Ok(Some(packed))
+    }
+}
+
+/// Adds `bytes` to `held` if the sum stays within `budget`; whether it did.
+fn reserve(held: &AtomicUsize, bytes: usize, budget: usize) -> bool {
+    held.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+        h.checked_add(bytes).filter(|&t| t <= budget)
+    })
+    .is_ok()
+}
+
+impl Drop for PackedWeight {
+    fn drop(&mut self) {
+        let bytes = self.panels.len() * std::mem::size_of::<f32>();
+        CACHED_BYTES.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for PackedWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PackedWeight({}, {})", self.out, self.inp)
+    }
+}
+
 thread_local! {
     /// This thread's W pack, reused across calls.
     static PACK: std::cell::RefCell<AVec<f32>> = std::cell::RefCell::new(AVec::default());
 }
 
-/// Packs `W` into `wp` and returns the `(rows, out)` product, `x` read in place.
-fn product(
-    xv: &[f32],
-    wd: Data,
-    bv: Option<&[f32]>,
-    (rows, inp, out): (usize, usize, usize),
-    wp: &mut [f32],
-) -> Vec<f32> {
+/// Packs `W (out, in)` into 16-output panels `[out / 16][in][16]` in `wp`, in parallel.
+fn pack_into(wd: Data, (out, inp): (usize, usize), wp: &mut [f32]) {
     // W panels: [panel][k][NR], zero outputs past `out` (every element is written: the
-    // buffer holds stale values from earlier calls). This is the K-panel layout of the
+    // buffer may hold stale values from earlier calls). This is the K-panel layout of the
     // attention kernel, with outputs as keys, so its packer serves; f16/bf16 weights are
     // converted there, so no f32 copy of W is made.
     let wview = View {
@@ -125,8 +223,10 @@ fn product(
             );
         },
     );
-    let wp = &*wp;
+}
 
+/// The `(rows, out)` product of `x` (read in place) and the packed `wp`, plus `b`.
+fn product(xv: &[f32], wp: &[f32], bv: Option<&[f32]>, (rows, inp, out): (usize, usize, usize)) -> Vec<f32> {
     let mut y: Vec<f32> = Vec::with_capacity(rows * out);
     // Row blocks of about `ROWS` rows, as many as a multiple of the thread count, with
     // whole register tiles split evenly (block sizes differ by at most one tile), so the
@@ -231,5 +331,42 @@ fn weight_data<'a>(st: &'a Storage, lay: &candle::Layout, t: &Tensor) -> Result<
             t.dtype(),
             t.device()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_stay_within_the_budget() {
+        let held = AtomicUsize::new(0);
+        assert!(reserve(&held, 60, 100));
+        assert!(reserve(&held, 40, 100));
+        assert!(!reserve(&held, 1, 100), "over the budget");
+        assert_eq!(held.load(Ordering::Relaxed), 100);
+        assert!(!reserve(&held, usize::MAX, usize::MAX), "overflow is refused");
+        assert!(
+            !reserve(&AtomicUsize::new(0), 1, 0),
+            "a zero budget keeps nothing"
+        );
+    }
+
+    /// No other test of the library's test binary packs weights, so the counter moves
+    /// only here.
+    #[test]
+    fn a_pack_holds_its_bytes_until_dropped() -> Result<()> {
+        if cache_budget() < 1 << 20 {
+            // CANDLE_ATTENTION_PACK_CACHE_MB=0 in the environment: nothing is kept.
+            return Ok(());
+        }
+        let w = Tensor::ones((20, 8), DType::F32, &candle::Device::Cpu)?;
+        let before = CACHED_BYTES.load(Ordering::Relaxed);
+        let p = PackedWeight::cached(&w)?.expect("a 1 KiB pack fits the default budget");
+        let bytes = 32 * 8 * 4; // two 16-output panels of 8 inputs
+        assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before + bytes);
+        drop(p);
+        assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before);
+        Ok(())
     }
 }
