@@ -164,6 +164,18 @@ pub const SHAPES: &[Shape] = &[
         e: 64,
         ev: 64,
     },
+    // Prefill (200 query rows per group, more than one row block: shared K/V packs) with
+    // Ev ≥ 128, where f32 on AVX-512 pairs wholly visible key blocks (here 64 + 64 and
+    // 64 + 8 keys); Ev not a multiple of 16 and an odd V panel count; GQA.
+    Shape {
+        b: 1,
+        hq: 2,
+        hkv: 1,
+        l: 100,
+        s: 200,
+        e: 40,
+        ev: 130,
+    },
 ];
 
 /// Every mask kind the dispatcher hands to the kernel, for one shape.

@@ -566,19 +566,53 @@ pub(super) unsafe fn pv(
     assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
-        pv_impl::<F32>(
-            p.as_ptr(),
-            rows,
-            live,
-            nk,
-            vp.as_ptr() as *const u8,
+        let src = PvSrc {
+            p: p.as_ptr(),
+            ldp: BK,
+            segs: [(vp.as_ptr() as *const u8, nk), (std::ptr::null(), 0)],
             vps,
             ldv,
-            nvp,
-            o.as_mut_ptr(),
-            ldo,
-            alpha.as_ptr(),
-        )
+        };
+        pv_impl::<F32, 1>(src, rows, live, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
+    }
+}
+
+/// [`pv`] over two consecutive packed f32 V blocks at once (a super-block of
+/// `nk0 + nk1` keys; `nk1 == 0` for one): P has row stride `2·BK`, block 0's
+/// probabilities in columns `0..nk0` (`nk0 == BK` when `nk1 > 0`) and block 1's from
+/// column `nk0`. Each output tile is then loaded, rescaled and stored once per two blocks.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pv_pair(
+    p: &[f32],
+    rows: usize,
+    (v0, nk0): (&[f32], usize),
+    (v1, nk1): (&[f32], usize),
+    vps: usize,
+    nvp: usize,
+    o: &mut [f32],
+    ldo: usize,
+    alpha: &[f32],
+) {
+    let ldp = 2 * BK;
+    assert!(rows.is_multiple_of(MR) && BK >= nk0 && BK >= nk1 && (nk1 == 0 || nk0 == BK));
+    assert!(ldo >= nvp * NR && alpha.len() >= rows && p.len() >= rows * ldp);
+    for (v, nk) in [(v0, nk0), (v1, nk1)] {
+        assert!(nvp == 0 || nk == 0 || v.len() >= (nvp - 1) * vps + (nk - 1) * NR + NR);
+    }
+    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        let src = PvSrc {
+            p: p.as_ptr(),
+            ldp,
+            segs: [(v0.as_ptr() as *const u8, nk0), (v1.as_ptr() as *const u8, nk1)],
+            vps,
+            ldv: NR,
+        };
+        pv_impl::<F32, 2>(src, rows, rows, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
     }
 }
 
@@ -606,31 +640,20 @@ pub(super) unsafe fn pv_raw(
     assert!(p.len() >= rows * BK);
     assert!(nvp == 0 || nk == 0 || len >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
     assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
-    let args = (
-        p.as_ptr(),
-        rows,
-        live,
-        nk,
-        ptr,
+    let src = PvSrc {
+        p: p.as_ptr(),
+        ldp: BK,
+        segs: [(ptr, nk), (std::ptr::null(), 0)],
         vps,
         ldv,
-        nvp,
-        o.as_mut_ptr(),
-        ldo,
-        alpha.as_ptr(),
-    );
+    };
+    let (op, al) = (o.as_mut_ptr(), alpha.as_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match v {
-            Data::F32(_) => pv_impl::<F32>(
-                args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, args.10,
-            ),
-            Data::BF16(_) => pv_impl::<BF16>(
-                args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, args.10,
-            ),
-            Data::F16(_) => pv_impl::<F16>(
-                args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, args.10,
-            ),
+            Data::F32(_) => pv_impl::<F32, 1>(src, rows, live, nvp, op, ldo, al),
+            Data::BF16(_) => pv_impl::<BF16, 1>(src, rows, live, nvp, op, ldo, al),
+            Data::F16(_) => pv_impl::<F16, 1>(src, rows, live, nvp, op, ldo, al),
         }
     }
 }
@@ -644,16 +667,32 @@ fn data_ptr(d: Data) -> (*const u8, usize) {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f")]
-unsafe fn pv_impl<const T: u8>(
+/// The operands of a `P·V` product: P (`p`, row stride `ldp`) against up to two runs of
+/// keys (`segs`: V base and key count; run 1's probabilities follow run 0's in P), V
+/// panel stride `vps` and row stride `ldv` (elements of kind `T`).
+#[derive(Clone, Copy)]
+struct PvSrc {
     p: *const f32,
-    rows: usize,
-    live: usize,
-    nk: usize,
-    vp: *const u8,
+    ldp: usize,
+    segs: [(*const u8, usize); 2],
     vps: usize,
     ldv: usize,
+}
+
+impl PvSrc {
+    /// The same runs for P rows from `r0` on.
+    fn rows_from(mut self, r0: usize) -> Self {
+        // SAFETY: callers stay inside the P block (`r0 < rows`).
+        self.p = unsafe { self.p.add(r0 * self.ldp) };
+        self
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_impl<const T: u8, const G: usize>(
+    src: PvSrc,
+    rows: usize,
+    live: usize,
     nvp: usize,
     o: *mut f32,
     ldo: usize,
@@ -664,20 +703,20 @@ unsafe fn pv_impl<const T: u8>(
         let mut n = 0;
         while n < nvp {
             let two = n + 1 < nvp;
-            let args = (p, nk, vp, n * vps, vps, ldv);
             let op = o.add(n * NR);
+            let v0 = n * src.vps;
             match (live, two) {
                 (0, _) => {}
-                (1, true) => pv_tile::<1, 2, T>(args, op, ldo, alpha),
-                (1, false) => pv_tile::<1, 1, T>(args, op, ldo, alpha),
-                (2, true) => pv_tile::<2, 2, T>(args, op, ldo, alpha),
-                (2, false) => pv_tile::<2, 1, T>(args, op, ldo, alpha),
-                (3, true) => pv_tile::<3, 2, T>(args, op, ldo, alpha),
-                (3, false) => pv_tile::<3, 1, T>(args, op, ldo, alpha),
-                (4, true) => pv_tile::<4, 2, T>(args, op, ldo, alpha),
-                (4, false) => pv_tile::<4, 1, T>(args, op, ldo, alpha),
-                (_, true) => pv_tile::<5, 2, T>(args, op, ldo, alpha),
-                (_, false) => pv_tile::<5, 1, T>(args, op, ldo, alpha),
+                (1, true) => pv_tile::<1, 2, T, G>(src, v0, op, ldo, alpha),
+                (1, false) => pv_tile::<1, 1, T, G>(src, v0, op, ldo, alpha),
+                (2, true) => pv_tile::<2, 2, T, G>(src, v0, op, ldo, alpha),
+                (2, false) => pv_tile::<2, 1, T, G>(src, v0, op, ldo, alpha),
+                (3, true) => pv_tile::<3, 2, T, G>(src, v0, op, ldo, alpha),
+                (3, false) => pv_tile::<3, 1, T, G>(src, v0, op, ldo, alpha),
+                (4, true) => pv_tile::<4, 2, T, G>(src, v0, op, ldo, alpha),
+                (4, false) => pv_tile::<4, 1, T, G>(src, v0, op, ldo, alpha),
+                (_, true) => pv_tile::<5, 2, T, G>(src, v0, op, ldo, alpha),
+                (_, false) => pv_tile::<5, 1, T, G>(src, v0, op, ldo, alpha),
             }
             n += if two { 2 } else { 1 };
         }
@@ -690,13 +729,13 @@ unsafe fn pv_impl<const T: u8>(
         while st < nstrips {
             let both = st + 1 < nstrips;
             let r0 = st * MR;
-            let args = (p.add(r0 * BK), nk, vp, n * vps, vps, ldv);
+            let (sr, v0) = (src.rows_from(r0), n * src.vps);
             let (op, al) = (o.add(r0 * ldo + n * NR), alpha.add(r0));
             match (both, two) {
-                (true, true) => pv_tile::<12, 2, T>(args, op, ldo, al),
-                (true, false) => pv_tile::<12, 1, T>(args, op, ldo, al),
-                (false, true) => pv_tile::<6, 2, T>(args, op, ldo, al),
-                (false, false) => pv_tile::<6, 1, T>(args, op, ldo, al),
+                (true, true) => pv_tile::<12, 2, T, G>(sr, v0, op, ldo, al),
+                (true, false) => pv_tile::<12, 1, T, G>(sr, v0, op, ldo, al),
+                (false, true) => pv_tile::<6, 2, T, G>(sr, v0, op, ldo, al),
+                (false, false) => pv_tile::<6, 1, T, G>(sr, v0, op, ldo, al),
             }
             st += if both { 2 } else { 1 };
         }
@@ -704,19 +743,17 @@ unsafe fn pv_impl<const T: u8>(
     }
 }
 
-/// `(P rows, key count, V base, element offset of the first V panel, V panel stride,
-/// V row stride)`.
-type PvArgs = (*const f32, usize, *const u8, usize, usize, usize);
-
-/// One `R × (N·NR)` tile of `O = α·O + P·V`.
+/// One `R × (N·NR)` tile of `O = α·O + P·V`, V panels from element offset `v0` of each run.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn pv_tile<const R: usize, const N: usize, const T: u8>(
-    (ps, nk, vb, v0, vps, ldv): PvArgs,
+unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const G: usize>(
+    src: PvSrc,
+    v0: usize,
     op: *mut f32,
     ldo: usize,
     alpha: *const f32,
 ) {
+    let (vps, ldv, ldp) = (src.vps, src.ldv, src.ldp);
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     for (r, row) in acc.iter_mut().enumerate() {
         let a = _mm512_set1_ps(*alpha.add(r));
@@ -724,21 +761,25 @@ unsafe fn pv_tile<const R: usize, const N: usize, const T: u8>(
             *v = _mm512_mul_ps(a, _mm512_loadu_ps(op.add(r * ldo + ni * NR)));
         }
     }
-    for j in 0..nk {
-        let mut vv = [_mm512_setzero_ps(); N];
-        for (ni, v) in vv.iter_mut().enumerate() {
-            if R < MR {
-                // Decode tiles stream V rows read once: ask for the row `PF_KEYS` ahead.
-                prefetch::<T>(vb, v0 + ni * vps + (j + PF_KEYS) * ldv);
+    let mut ps = src.p;
+    for &(vb, nk) in &src.segs[..G] {
+        for j in 0..nk {
+            let mut vv = [_mm512_setzero_ps(); N];
+            for (ni, v) in vv.iter_mut().enumerate() {
+                if R < MR {
+                    // Decode tiles stream V rows read once: ask for the row `PF_KEYS` ahead.
+                    prefetch::<T>(vb, v0 + ni * vps + (j + PF_KEYS) * ldv);
+                }
+                *v = load16::<T>(vb, v0 + ni * vps + j * ldv);
             }
-            *v = load16::<T>(vb, v0 + ni * vps + j * ldv);
-        }
-        for (r, row) in acc.iter_mut().enumerate() {
-            let a = _mm512_set1_ps(*ps.add(r * BK + j));
-            for ni in 0..N {
-                row[ni] = _mm512_fmadd_ps(a, vv[ni], row[ni]);
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = _mm512_set1_ps(*ps.add(r * ldp + j));
+                for ni in 0..N {
+                    row[ni] = _mm512_fmadd_ps(a, vv[ni], row[ni]);
+                }
             }
         }
+        ps = ps.add(nk);
     }
     for (r, row) in acc.iter().enumerate() {
         for (ni, &v) in row.iter().enumerate() {
