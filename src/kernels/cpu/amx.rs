@@ -75,7 +75,10 @@ pub(crate) const PLAN_F16: Plan = Plan {
 pub(crate) fn available() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")) {
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512bf16"))
+        {
             return false;
         }
         // CPUID.(EAX=7, ECX=0):EDX bit 22 = AMX-BF16, bit 24 = AMX-TILE.

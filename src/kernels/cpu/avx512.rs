@@ -42,26 +42,28 @@ pub(crate) unsafe fn exp2_512(x: __m512) -> __m512 {
 /// needed.
 ///
 /// # Safety
-/// The CPU must support AVX-512F.
+/// The CPU must support AVX-512F and AVX512DQ.
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512dq")]
 unsafe fn exp2_512_short<const HI_ONLY: bool>(x: __m512, keep: __mmask16) -> __m512 {
     let valid = _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(keep, x, _mm512_set1_ps(-126.0));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
-    let f = _mm512_sub_ps(x, n);
+    // `x − floor(x)` in one instruction (AVX512DQ `vreduceps`); `vscalefps` multiplies by
+    // 2^floor(x). The polynomials approximate 2^f on [0, 1): they are the minimax ones on
+    // [-0.5, 0.5] shifted by one half and scaled by √2, with the same relative error.
+    let f = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
     let y = if HI_ONLY {
-        let mut y = _mm512_set1_ps(5.500_842e-2);
-        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.242_209_99));
-        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.693_282_9));
-        _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0))
+        let mut y = _mm512_set1_ps(7.779_365_4e-2);
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.225_846_17));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.696_258_67));
+        _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.999_898_48))
     } else {
-        let mut y = _mm512_set1_ps(9.582_801e-3);
-        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.590_632_6e-2));
-        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.240_240_99));
-        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.693_124_2));
-        _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0))
+        let mut y = _mm512_set1_ps(1.355_212_7e-2);
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.195_923e-2));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.241_485_03));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.692_995_13));
+        _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.000_002_8))
     };
-    _mm512_maskz_scalef_ps(valid, y, n)
+    _mm512_maskz_scalef_ps(valid, y, x)
 }
 
 /// How far (log2) a row's running maximum may fall behind a new block's maximum before
@@ -1063,7 +1065,7 @@ unsafe fn row_max_impl(x: &[f32]) -> f32 {
 /// # Safety
 /// AVX-512F and AVX512-BF16 must be available; `hi` (and `lo`) hold 16 elements.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 pub(crate) unsafe fn store_components(v: __m512, hi: *mut u16, lo: *mut u16) {
     let h = _mm512_cvtneps_pbh(v);
     _mm256_storeu_si256(hi as *mut __m256i, std::mem::transmute::<__m256bh, __m256i>(h));
@@ -1161,7 +1163,7 @@ fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
 /// # Safety
 /// AVX-512F and AVX512-BF16 must be available; `hi` (and `lo`, unless null) hold
 /// `x.len()` elements; `a ≤ z ≤ x.len()`.
-#[target_feature(enable = "avx512f,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 pub(crate) unsafe fn softmax_row_bf16(
     x: &[f32],
     (a, z): (usize, usize),
@@ -1178,7 +1180,7 @@ pub(crate) unsafe fn softmax_row_bf16(
 }
 
 #[inline]
-#[target_feature(enable = "avx512f,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 unsafe fn softmax_row_impl<const HI_ONLY: bool>(
     x: &[f32],
     (a, z): (usize, usize),
@@ -1242,7 +1244,7 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
 /// (see [`softmax_row_bf16`]); returns `(Σ p, max over visible keys of c·x − m)` (the
 /// latter -inf when no key is visible or all are -inf).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 unsafe fn exp_pass<const HI_ONLY: bool>(
     x: &[f32],
     (a, z): (usize, usize),
@@ -1308,7 +1310,7 @@ pub(crate) unsafe fn store_f16(dst: *mut half::f16, src: &[f32]) {
 ///
 /// # Safety
 /// AVX-512F and AVX512-BF16 must be available, and `dst` valid for `src.len()` writes.
-#[target_feature(enable = "avx512f,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 pub(crate) unsafe fn store_bf16(dst: *mut half::bf16, src: &[f32]) {
     let n = src.len();
     let mut x = 0;
