@@ -52,10 +52,10 @@ unsafe fn exp2_512_short<const HI_ONLY: bool>(x: __m512, keep: __mmask16) -> __m
     // [-0.5, 0.5] shifted by one half and scaled by √2, with the same relative error.
     let f = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
     let y = if HI_ONLY {
-        let mut y = _mm512_set1_ps(7.779_365_4e-2);
+        let mut y = _mm512_set1_ps(7.779_365e-2);
         y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.225_846_17));
         y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.696_258_67));
-        _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.999_898_48))
+        _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.999_898_5))
     } else {
         let mut y = _mm512_set1_ps(1.355_212_7e-2);
         y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.195_923e-2));
