@@ -650,5 +650,23 @@ fn amx_lazy_rescale_follows_growing_scores() -> Result<()> {
             dtypes,
         )?;
     }
+    // Flat scores but for one key of the third 256-key block (lane 5 of its 16-key chunk)
+    // that scores 100 nats (≈ 144 in log2) above the rest: only that lane's maximum
+    // calls for the redo, and without it the key's probability would overflow f32.
+    let qv: Vec<f32> = (0..l * e).map(|_| 1.0 + 0.01 * rng.uniform()).collect();
+    let spike = 2 * 256 + 16 * 7 + 5;
+    let kv: Vec<f32> = (0..s * e)
+        .map(|i| {
+            if i / e == spike {
+                12.5
+            } else {
+                0.05 * (rng.uniform() - 0.5)
+            }
+        })
+        .collect();
+    let q = Tensor::from_vec(qv, (1, 1, l, e), &dev)?;
+    let k = Tensor::from_vec(kv, (1, 1, s, e), &dev)?;
+    let v = Tensor::from_vec(rng.vec(s * ev, 1.5), (1, 1, s, ev), &dev)?;
+    check_amx_precision(&q, &k, &v, None, None, "spike in lane 5", &[DType::BF16])?;
     Ok(())
 }

@@ -1151,8 +1151,10 @@ fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
 /// Online-softmax update of one score row of the AMX path (`x.len()` a multiple of 16):
 /// `y = c·x` on the visible keys `[a, z)`, `p = 2^(y − m_new)` (0 outside `[a, z)`),
 /// stored as bf16 components `hi = bf16(p)` and, unless `lo` is null, `lo = bf16(p − hi)`
-/// (`x.len()` each). Returns `(m_new, alpha = 2^(m_old − m_new), Σ p)`; when `m_new` is
-/// -inf, `hi` and `lo` are zero and `(−inf, 1, 0)` is returned.
+/// (`x.len()` each). Returns `(m_new, alpha = 2^(m_old − m_new))` and updates the row's
+/// sum `l ← alpha·l + Σ p`, kept as 16 lane-wise partial sums in `l16` (their total is the
+/// row sum), so that no horizontal sum runs per block. When `m_new` is -inf, `hi` and `lo`
+/// are zero, `l16` is unchanged and `(−inf, 1)` is returned.
 ///
 /// The reference `m_new` is the row's running maximum, rescaled lazily: a row's first
 /// visible block sets it to that block's maximum, and later blocks keep `m_new = m_old`
@@ -1161,24 +1163,35 @@ fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
 /// (a second pass). `p ≤ 2^8` either way.
 ///
 /// # Safety
-/// AVX-512F and AVX512-BF16 must be available; `hi` (and `lo`, unless null) hold
-/// `x.len()` elements; `a ≤ z ≤ x.len()`.
+/// AVX-512F, AVX512DQ and AVX512-BF16 must be available; `hi` (and `lo`, unless null)
+/// hold `x.len()` elements; `a ≤ z ≤ x.len()`.
 #[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 pub(crate) unsafe fn softmax_row_bf16(
     x: &[f32],
     (a, z): (usize, usize),
     c: f32,
     m_old: f32,
-    hi: *mut u16,
-    lo: *mut u16,
-) -> (f32, f32, f32) {
-    if lo.is_null() {
+    (hi, lo): (*mut u16, *mut u16),
+    l16: &mut [f32; 16],
+) -> (f32, f32) {
+    let (m_new, alpha, sum) = if lo.is_null() {
         softmax_row_impl::<true>(x, (a, z), c, m_old, hi, lo)
     } else {
         softmax_row_impl::<false>(x, (a, z), c, m_old, hi, lo)
+    };
+    if m_new != f32::NEG_INFINITY {
+        let l = _mm512_loadu_ps(l16.as_ptr());
+        let l = if alpha == 1.0 {
+            _mm512_add_ps(l, sum)
+        } else {
+            _mm512_fmadd_ps(l, _mm512_set1_ps(alpha), sum)
+        };
+        _mm512_storeu_ps(l16.as_mut_ptr(), l);
     }
+    (m_new, alpha)
 }
 
+/// [`softmax_row_bf16`]'s row pass: `(m_new, alpha, lane-wise Σ p)`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 unsafe fn softmax_row_impl<const HI_ONLY: bool>(
@@ -1188,17 +1201,18 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
     m_old: f32,
     hi: *mut u16,
     lo: *mut u16,
-) -> (f32, f32, f32) {
+) -> (f32, f32, __m512) {
     let w = x.len();
     debug_assert!(w.is_multiple_of(16) && a <= z && z <= w);
     if m_old > f32::NEG_INFINITY {
         // One pass against the running maximum, tracking this block's own maximum.
         let (sum, t_max) = exp_pass::<HI_ONLY>(x, (a, z), c, m_old, hi, lo);
-        if t_max <= LAZY_RESCALE_LOG2 {
+        // No lane above the bound: the common case needs no horizontal maximum.
+        if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(t_max, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
             return (m_old, 1.0, sum);
         }
         // The block's maximum ran ahead: redo the row against it.
-        let m_new = m_old + t_max;
+        let m_new = m_old + _mm512_reduce_max_ps(t_max);
         let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
         let alpha = _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)));
         return (m_new, alpha, sum);
@@ -1234,15 +1248,16 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
         if !HI_ONLY {
             std::ptr::write_bytes(lo, 0, w);
         }
-        return (m_new, 1.0, 0.0);
+        return (m_new, 1.0, _mm512_setzero_ps());
     }
     let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
     (m_new, 1.0, sum)
 }
 
 /// `p = 2^(c·x − m)` on the visible keys `[a, z)` (0 elsewhere) stored as bf16 components
-/// (see [`softmax_row_bf16`]); returns `(Σ p, max over visible keys of c·x − m)` (the
-/// latter -inf when no key is visible or all are -inf).
+/// (see [`softmax_row_bf16`]); returns the lane-wise `Σ p` and the lane-wise maximum over
+/// visible keys of `c·x − m` (-inf in lanes with no visible key). Two 16-key chunks per
+/// step, with their own sums and maxima.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 unsafe fn exp_pass<const HI_ONLY: bool>(
@@ -1252,38 +1267,41 @@ unsafe fn exp_pass<const HI_ONLY: bool>(
     m: f32,
     hi: *mut u16,
     lo: *mut u16,
-) -> (f32, f32) {
+) -> (__m512, __m512) {
     let w = x.len();
     let xp = x.as_ptr();
     let cv = _mm512_set1_ps(c);
     let mv = _mm512_set1_ps(m);
     let full = a == 0 && z == w;
+    let mask = |i: usize| if full { 0xffff } else { chunk_mask(i, (a, z)) };
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-    let mut tm = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut i = 0;
-    while i < w {
-        let keep = if full { 0xffff } else { chunk_mask(i, (a, z)) };
+    let (mut tm0, mut tm1) = (ninf, ninf);
+    // One 16-key chunk at `i` into the sum `s` and maximum `tm`.
+    let chunk = |i: usize, s: &mut __m512, tm: &mut __m512| {
+        let keep = mask(i);
         let t = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
         // `max(t, tm)` returns `tm` where `t` is NaN: NaN scores count as invisible here,
         // as in `exp2_512_short`.
-        tm = _mm512_mask_max_ps(tm, keep, t, tm);
+        *tm = _mm512_mask_max_ps(*tm, keep, t, *tm);
         let ei = exp2_512_short::<HI_ONLY>(t, keep);
-        if i % 32 == 0 {
-            s0 = _mm512_add_ps(s0, ei);
-        } else {
-            s1 = _mm512_add_ps(s1, ei);
-        }
+        *s = _mm512_add_ps(*s, ei);
         store_components(
             ei,
             hi.add(i),
             if HI_ONLY { std::ptr::null_mut() } else { lo.add(i) },
         );
-        i += 16;
+    };
+    let mut i = 0;
+    while i + 32 <= w {
+        chunk(i, &mut s0, &mut tm0);
+        chunk(i + 16, &mut s1, &mut tm1);
+        i += 32;
     }
-    (
-        _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)),
-        _mm512_reduce_max_ps(tm),
-    )
+    if i < w {
+        chunk(i, &mut s0, &mut tm0);
+    }
+    (_mm512_add_ps(s0, s1), _mm512_max_ps(tm0, tm1))
 }
 
 /// `dst[x] = f16(src[x])`, rounding to nearest even (as `half::f16::from_f32`).

@@ -147,6 +147,8 @@ struct Scratch {
 #[derive(Default)]
 struct AmxBufs {
     s: AVec<f32>,
+    /// Each row's softmax sum as 16 lane-wise partial sums (`avx512::softmax_row_bf16`).
+    l16: AVec<f32>,
     qa: AVec<u16>,
     pa: AVec<u16>,
     ka: AVec<u16>,
@@ -630,6 +632,8 @@ fn process_amx(
     ab.qa.grow(comps * BQ * ep);
     ab.pa.grow(plan.p_comps * BQ * SBK);
     ab.s.grow(BQ * SBK);
+    ab.l16.grow(BQ * 16);
+    ab.l16[..rows * 16].fill(0.0);
     if packed.is_none() {
         ab.ka.grow(AMX_GROUP * kbl);
         ab.va.grow(AMX_GROUP * vbl);
@@ -733,16 +737,16 @@ fn process_amx(
             // SAFETY: `p.amx` is only set after `amx::available()` (which includes
             // AVX-512F and AVX512-BF16); the row holds `nb·BK` floats and row `r` of both
             // P components `SBK` elements of `ab.pa` (`lo` is null with one component).
-            let (m_new, al, sum) = unsafe {
+            let (m_new, al) = unsafe {
                 let lo_p = if plan.p_comps > 1 {
                     pa.add(pcs + r * SBK)
                 } else {
                     std::ptr::null_mut()
                 };
-                avx512::softmax_row_bf16(row, (a, z), cr, m[r], pa.add(r * SBK), lo_p)
+                let l16: &mut [f32; 16] = (&mut ab.l16[r * 16..(r + 1) * 16]).try_into().expect("16 floats");
+                avx512::softmax_row_bf16(row, (a, z), cr, m[r], (pa.add(r * SBK), lo_p), l16)
             };
             if m_new != f32::NEG_INFINITY {
-                lsum[r] = lsum[r] * al + sum;
                 m[r] = m_new;
                 if al != 1.0 {
                     for x in &mut ov[r * evp..(r + 1) * evp] {
@@ -771,6 +775,9 @@ fn process_amx(
     }
     // SAFETY: as above.
     unsafe { amx::release() };
+    for (r, l) in lsum.iter_mut().enumerate().take(n) {
+        *l = ab.l16[r * 16..(r + 1) * 16].iter().sum();
+    }
 }
 
 /// Unnormalised partial result of one split-K item.
