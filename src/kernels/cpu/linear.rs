@@ -45,11 +45,11 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
 /// validated again here.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let (out, inp) = w.dims2()?;
-    let (rows, xv_t, bc) = operands(x, (out, inp), w, b)?;
+    let (rows, xc, bc) = operands(x, (out, inp), w, b)?;
     let wc = w.contiguous()?;
     let (wg, wl) = wc.storage_and_layout();
     let wd = weight_data(&wg, wl, w)?;
-    let (xg, xl) = xv_t.storage_and_layout();
+    let (xg, xl) = xc.storage_and_layout();
     let xv = f32_slice(&xg, xl, x)?;
     let bg = bc.as_ref().map(|b| b.storage_and_layout());
     let bv = match (&bg, &bc) {
@@ -78,7 +78,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     Tensor::from_vec(y, (rows, out), x.device())
 }
 
-/// [`linear`] against a weight packed once by [`PackedWeight::new`].
+/// [`linear`] against a weight packed once by [`PackedWeight::cached`].
 pub(crate) fn linear_packed(x: &Tensor, w: &PackedWeight, b: Option<&Tensor>) -> Result<Tensor> {
     let (rows, xc, bc) = operands(x, (w.out, w.inp), &w.source, b)?;
     let (xg, xl) = xc.storage_and_layout();
@@ -118,7 +118,7 @@ fn operands(
 
 /// Bytes of packed weights that [`PackedWeight::cached`] may keep alive at once, all
 /// layers together: `CANDLE_ATTENTION_PACK_CACHE_MB` (MiB; 0 turns caching off), 256 MiB
-/// when unset.
+/// when unset or not a number.
 fn cache_budget() -> usize {
     static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BUDGET.get_or_init(|| {
