@@ -21,10 +21,14 @@
 //!   tiles (`avx512`), AVX2+FMA 6×16 tiles (`avx2`), NEON (`neon`) and a portable
 //!   auto-vectorised fallback (`portable`), chosen at runtime; a polynomial `2^x` (`exp`,
 //!   `avx512::exp2_512`) — scores are kept in the log2 domain (`log2 e` folded into the
-//!   query scale and the mask).
+//!   query scale and the mask). On AVX-512, f32 prefill with Ev ≥ 128 takes two wholly
+//!   visible key blocks per step (`avx512::pv_pair`).
 //! * bf16/f16 on a CPU with AMX: both block products on the tile unit (`amx`, f32
 //!   accumulation) over 256-key super-blocks, with inputs split into exact bf16
-//!   components (see `amx` for the error bounds); the softmax stays in f32 on AVX-512.
+//!   components (see `amx` for the error bounds); the softmax stays in f32 on AVX-512,
+//!   with lazy rescaling and lane-wise row sums (`avx512::softmax_row_bf16`).
+//! * Nothing here has a backward pass: the dispatcher (`crate::sdpa`) and `crate::Proj`
+//!   send tensors that record gradients to candle's ops instead.
 //! * Decode on AVX-512 reads f16/bf16 K/V rows in place and widens them in registers,
 //!   asking for each K/V row 16 keys ahead (software prefetch).
 //! * Causal / sliding-window visibility through loop bounds: hidden key blocks are
