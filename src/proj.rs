@@ -111,6 +111,15 @@ impl Proj {
                 self.weight.dims()
             )
         }
+        if let Some(b) = &self.bias {
+            if b.dims() != [out_dim] {
+                candle::bail!(
+                    "projection bias {:?} does not match weight {:?} (expected ({out_dim},))",
+                    b.dims(),
+                    self.weight.dims()
+                )
+            }
+        }
         let cd = compute_dtype(x.dtype());
         let rows = x.elem_count() / in_dim.max(1);
         let x2 = x.to_dtype(cd)?.reshape((rows, in_dim))?;

@@ -122,3 +122,24 @@ fn trainable_weights_get_gradients() -> Result<()> {
     }
     Ok(())
 }
+
+/// Inputs and biases whose shapes do not fit the weight are errors that name the shapes,
+/// on the CPU kernel's path (20 rows) and on candle's (3 rows) alike.
+#[test]
+fn bad_shapes_are_errors_that_name_them() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Tensor::randn(0f32, 1.0, (48, 64), &dev)?;
+    let err = |r: Result<Tensor>| match r {
+        Ok(t) => panic!("expected an error, got {:?}", t.dims()),
+        Err(e) => e.to_string(),
+    };
+    for rows in [20, 3] {
+        let p = Proj::new(w.clone(), None);
+        let msg = err(p.forward(&Tensor::zeros((rows, 63), DType::F32, &dev)?));
+        assert!(msg.contains("63") && msg.contains("[48, 64]"), "{msg}");
+        let p = Proj::new(w.clone(), Some(Tensor::zeros(47, DType::F32, &dev)?));
+        let msg = err(p.forward(&Tensor::zeros((rows, 64), DType::F32, &dev)?));
+        assert!(msg.contains("[47]") && msg.contains("[48, 64]"), "{msg}");
+    }
+    Ok(())
+}

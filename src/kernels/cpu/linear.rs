@@ -45,61 +45,50 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
 /// validated again here.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let (out, inp) = w.dims2()?;
-    let (rows, xc, bc) = operands(x, (out, inp), w, b)?;
     let wc = w.contiguous()?;
     let (wg, wl) = wc.storage_and_layout();
     let wd = weight_data(&wg, wl, w)?;
-    let (xg, xl) = xc.storage_and_layout();
-    let xv = f32_slice(&xg, xl, x)?;
-    let bg = bc.as_ref().map(|b| b.storage_and_layout());
-    let bv = match (&bg, &bc) {
-        (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
-        _ => None,
-    };
     let np = out.div_ceil(NR);
-    // The W pack lives in a buffer kept by the calling thread between calls: a fresh
-    // multi-MB allocation would page-fault on every call.
-    let y = PACK.with(|cell| {
-        let mut guard = cell.try_borrow_mut();
-        let mut fresh = AVec::default();
-        let wp = match guard.as_deref_mut() {
-            Ok(buf) => buf,
-            Err(_) => &mut fresh,
-        };
-        wp.grow(np * inp * NR);
-        pack_into(wd, (out, inp), &mut wp[..np * inp * NR]);
-        let y = product(xv, &wp[..np * inp * NR], bv, (rows, inp, out));
-        // Keep at most `KEEP_FLOATS`, so a large layer's pack is not held.
-        if wp.len() > KEEP_FLOATS {
-            *wp = AVec::default();
-        }
-        y
-    });
+    let (rows, y) = with_operands(x, (out, inp), w, b, |rows, xv, bv| {
+        // The W pack lives in a buffer kept by the calling thread between calls: a fresh
+        // multi-MB allocation would page-fault on every call.
+        PACK.with(|cell| {
+            let mut guard = cell.try_borrow_mut();
+            let mut fresh = AVec::default();
+            let wp = match guard.as_deref_mut() {
+                Ok(buf) => buf,
+                Err(_) => &mut fresh,
+            };
+            wp.grow(np * inp * NR);
+            pack_into(wd, (out, inp), &mut wp[..np * inp * NR]);
+            let y = product(xv, &wp[..np * inp * NR], bv, (rows, inp, out));
+            // Keep at most `KEEP_FLOATS`, so a large layer's pack is not held.
+            if wp.len() > KEEP_FLOATS {
+                *wp = AVec::default();
+            }
+            (rows, y)
+        })
+    })?;
     Tensor::from_vec(y, (rows, out), x.device())
 }
 
 /// [`linear`] against a weight packed once by [`PackedWeight::cached`].
 pub(crate) fn linear_packed(x: &Tensor, w: &PackedWeight, b: Option<&Tensor>) -> Result<Tensor> {
-    let (rows, xc, bc) = operands(x, (w.out, w.inp), &w.source, b)?;
-    let (xg, xl) = xc.storage_and_layout();
-    let xv = f32_slice(&xg, xl, x)?;
-    let bg = bc.as_ref().map(|b| b.storage_and_layout());
-    let bv = match (&bg, &bc) {
-        (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
-        _ => None,
-    };
-    let y = product(xv, &w.panels, bv, (rows, w.inp, w.out));
+    let (rows, y) = with_operands(x, (w.out, w.inp), &w.source, b, |rows, xv, bv| {
+        (rows, product(xv, &w.panels, bv, (rows, w.inp, w.out)))
+    })?;
     Tensor::from_vec(y, (rows, w.out), x.device())
 }
 
-/// Checks `x (rows, in)` and `b (out)` against a weight `(out, in)` and returns the row
-/// count with `x` and `b` contiguous.
-fn operands(
+/// Checks `x (rows, in)` and `b (out)` against a weight `(out, in)` (named `w` in
+/// errors), then runs `f(rows, x, b)` on their contiguous f32 data.
+fn with_operands<R>(
     x: &Tensor,
     (out, inp): (usize, usize),
     w: &Tensor,
     b: Option<&Tensor>,
-) -> Result<(usize, Tensor, Option<Tensor>)> {
+    f: impl FnOnce(usize, &[f32], Option<&[f32]>) -> R,
+) -> Result<R> {
     let (rows, xin) = x.dims2()?;
     if xin != inp {
         candle::bail!(
@@ -113,7 +102,15 @@ fn operands(
             candle::bail!("linear: bias {:?} does not match weight {:?}", b.dims(), w.dims());
         }
     }
-    Ok((rows, x.contiguous()?, b.map(|b| b.contiguous()).transpose()?))
+    let (xc, bc) = (x.contiguous()?, b.map(|b| b.contiguous()).transpose()?);
+    let (xg, xl) = xc.storage_and_layout();
+    let xv = f32_slice(&xg, xl, x)?;
+    let bg = bc.as_ref().map(|b| b.storage_and_layout());
+    let bv = match (&bg, &bc) {
+        (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
+        _ => None,
+    };
+    Ok(f(rows, xv, bv))
 }
 
 /// Bytes of packed weights that [`PackedWeight::cached`] may keep alive at once, all
