@@ -701,24 +701,49 @@ fn process_amx(
             }
         }
         let sb = ab.s.as_mut_ptr();
-        for (bi, &kbp) in kbs.iter().enumerate().take(nb) {
-            // SAFETY: `configure` ran on this thread; Q holds `rtiles` tiles of every
-            // component, each K block `kbl` elements, the score buffer `rows × SBK` floats.
-            unsafe {
-                amx::qk(
-                    ab.qa.as_ptr(),
-                    qcs,
-                    rtiles,
-                    e,
-                    kbp,
-                    kcs,
-                    plan.qk,
-                    sb.add(bi * BK),
-                    SBK,
-                )
-            };
-        }
         let need_causal = p.causal.is_some() && !(max_lo <= j0 && min_hi >= j0 + nks);
+        // Key blocks each 16-row tile needs from this super-block: on causal edges, a
+        // tile stops at the block holding its last visible key. The scores it skips are
+        // outside every row's visible range, so the softmax never reads them and writes
+        // zero probabilities there, which `P·V` may then skip as well.
+        let mut tile_nb = [nb; BQ.div_ceil(TM)];
+        if need_causal {
+            for (t, v) in tile_nb.iter_mut().enumerate().take(rtiles) {
+                let h = (t * TM..((t + 1) * TM).min(n)).map(|r| hi[r]).max().unwrap_or(0);
+                *v = h.saturating_sub(j0).div_ceil(BK).min(nb);
+            }
+        }
+        for (bi, &kbp) in kbs.iter().enumerate().take(nb) {
+            // Runs of consecutive row tiles that see block `bi`.
+            let mut t0 = 0;
+            while t0 < rtiles {
+                if tile_nb[t0] <= bi {
+                    t0 += 1;
+                    continue;
+                }
+                let mut t1 = t0 + 1;
+                while t1 < rtiles && tile_nb[t1] > bi {
+                    t1 += 1;
+                }
+                // SAFETY: `configure` ran on this thread; Q holds `rtiles` tiles of every
+                // component (tiles `t0..t1` from row `t0·TM`), each K block `kbl`
+                // elements, the score buffer `rows × SBK` floats.
+                unsafe {
+                    amx::qk(
+                        ab.qa.as_ptr().add(t0 * TM * ep),
+                        qcs,
+                        t1 - t0,
+                        e,
+                        kbp,
+                        kcs,
+                        plan.qk,
+                        sb.add(t0 * TM * SBK + bi * BK),
+                        SBK,
+                    )
+                };
+                t0 = t1;
+            }
+        }
         let ov = o.as_mut_slice();
         let pa = ab.pa.as_mut_ptr();
         for r in 0..n {
@@ -755,22 +780,35 @@ fn process_amx(
                 }
             }
         }
-        // SAFETY: as for `qk`; P holds `rtiles` tiles of both components with row stride
-        // `SBK`, each V block `vbl` elements, O `rows × evp` floats.
-        unsafe {
-            amx::pv(
-                ab.pa.as_ptr(),
-                pcs,
-                SBK,
-                rtiles,
-                &vbs[..nb],
-                vcs,
-                nvp,
-                plan.pv,
-                ov.as_mut_ptr(),
-                evp,
-            )
-        };
+        // Runs of consecutive row tiles that need the same leading blocks.
+        let mut t0 = 0;
+        while t0 < rtiles {
+            let k = tile_nb[t0];
+            let mut t1 = t0 + 1;
+            while t1 < rtiles && tile_nb[t1] == k {
+                t1 += 1;
+            }
+            if k > 0 {
+                // SAFETY: as for `qk`; P holds `rtiles` tiles of both components with row
+                // stride `SBK` (tiles `t0..t1` from row `t0·TM`), each V block `vbl`
+                // elements, O `rows × evp` floats.
+                unsafe {
+                    amx::pv(
+                        ab.pa.as_ptr().add(t0 * TM * SBK),
+                        pcs,
+                        SBK,
+                        t1 - t0,
+                        &vbs[..k],
+                        vcs,
+                        nvp,
+                        plan.pv,
+                        ov.as_mut_ptr().add(t0 * TM * evp),
+                        evp,
+                    )
+                };
+            }
+            t0 = t1;
+        }
         kb0 += nb;
     }
     // SAFETY: as above.
