@@ -1046,20 +1046,8 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                     &mut sb[BK..],
                     lds,
                 );
-                for r in 0..n {
-                    let row = &mut sb[r * lds..r * lds + nk2];
-                    if let Some(mk) = &p.mask {
-                        mk.add_row(bb, hh[r], ii[r], j0, row, LOG2_E);
-                    }
-                    let (m_new, al, sum) = isa.online_row(row, m[r]);
-                    alpha[r] = al;
-                    if m_new == f32::NEG_INFINITY {
-                        row.fill(0.0);
-                        continue;
-                    }
-                    lsum[r] = lsum[r] * al + sum;
-                    m[r] = m_new;
-                }
+                let rows_of = RowsOf { bb, hh, ii, lo, hi };
+                online_rows(p, &rows_of, (sb, lds, n), (j0, nk2, false), (m, lsum, alpha));
                 let v0 = &grp[b0 + kbl..b0 + kbl + vbl];
                 let v1 = &grp[b1 + kbl..b1 + kbl + vbl];
                 // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
@@ -1151,30 +1139,8 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 (vs, NR, ldv)
             }
         };
-        for r in 0..n {
-            let row = &mut sb[r * BK..r * BK + nk];
-            // Visible part of this row within the block.
-            let (a, z) = if need_causal {
-                let z = hi[r].saturating_sub(j0).min(nk);
-                (lo[r].saturating_sub(j0).min(z), z)
-            } else {
-                (0, nk)
-            };
-            let vis = &mut row[a..z];
-            if let Some(mk) = &p.mask {
-                mk.add_row(bb, hh[r], ii[r], j0 + a, vis, LOG2_E);
-            }
-            let (m_new, al, sum) = isa.online_row(vis, m[r]);
-            alpha[r] = al;
-            if m_new == f32::NEG_INFINITY {
-                row.fill(0.0);
-                continue;
-            }
-            row[..a].fill(0.0);
-            row[z..].fill(0.0);
-            lsum[r] = lsum[r] * al + sum;
-            m[r] = m_new;
-        }
+        let rows_of = RowsOf { bb, hh, ii, lo, hi };
+        online_rows(p, &rows_of, (sb, BK, n), (j0, nk, need_causal), (m, lsum, alpha));
         let o = o.as_mut_slice();
         if trimmed {
             for (st, &k) in snk.iter().enumerate().take(nstrips) {
@@ -1207,6 +1173,52 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
         }
         kb += 1;
+    }
+}
+
+/// Batch, and per row head, position and visible key range `[lo, hi)`, of a block's rows.
+struct RowsOf<'a> {
+    bb: usize,
+    hh: &'a [usize],
+    ii: &'a [usize],
+    lo: &'a [usize],
+    hi: &'a [usize],
+}
+
+/// The online-softmax update of the first `n` score rows of `sb` (row stride `lds`)
+/// for the `nk` keys from `j0`: adds the explicit mask, turns each row's visible part
+/// into probabilities (0 elsewhere; with `causal`, the visible part is the row's
+/// `[lo, hi)`, else all `nk` keys) and updates `m`, `l` and `alpha`. A row with no
+/// visible key is all 0, with `m` and `l` unchanged.
+fn online_rows(
+    p: &Problem,
+    rows: &RowsOf,
+    (sb, lds, n): (&mut [f32], usize, usize),
+    (j0, nk, causal): (usize, usize, bool),
+    (m, lsum, alpha): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    for r in 0..n {
+        let row = &mut sb[r * lds..r * lds + nk];
+        let (a, z) = if causal {
+            let z = rows.hi[r].saturating_sub(j0).min(nk);
+            (rows.lo[r].saturating_sub(j0).min(z), z)
+        } else {
+            (0, nk)
+        };
+        let vis = &mut row[a..z];
+        if let Some(mk) = &p.mask {
+            mk.add_row(rows.bb, rows.hh[r], rows.ii[r], j0 + a, vis, LOG2_E);
+        }
+        let (m_new, al, sum) = p.isa.online_row(vis, m[r]);
+        alpha[r] = al;
+        if m_new == f32::NEG_INFINITY {
+            row.fill(0.0);
+            continue;
+        }
+        row[..a].fill(0.0);
+        row[z..].fill(0.0);
+        lsum[r] = lsum[r] * al + sum;
+        m[r] = m_new;
     }
 }
 
