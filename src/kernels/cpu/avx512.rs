@@ -3,34 +3,34 @@
 //! are the AVX2 ones (`pack`): a zmm register holds exactly one 16-lane panel row, and a
 //! 12-row tile reads two 6-row Q strips.
 //!
-//! Every function here is `unsafe` and requires a CPU with AVX-512F; the dispatcher only
-//! selects `Isa::Avx512` after runtime detection.
+//! Every function here is `unsafe` and requires a CPU with AVX-512F (the softmax also
+//! AVX512DQ, for `vreduceps`); the dispatcher only selects `Isa::Avx512` after runtime
+//! detection of both.
 
 use super::pack::{Data, BK, MR, NR};
 use std::arch::x86_64::*;
 
-/// 16-lane `2^x`: `x = n + f` (`n = round(x)`, `|f| ≤ 1/2`), a degree-5 polynomial
-/// for `2^f` (fitted for relative error with `2^0 = 1` exact; < 1.8e-7 evaluated in f32) and `vscalefps` for
-/// the `2^n` factor. Inputs below -126 (including -inf) give exactly 0, NaN gives 0.
+/// 16-lane `2^x`: `x = n + f` (`n = floor(x)`, `0 ≤ f < 1`, `f` in one `vreduceps`), a
+/// degree-5 polynomial for `2^f` (fitted for relative error with `2^0 = 1` exact;
+/// < 8.3e-8 in exact arithmetic, < 1.6e-7 evaluated in f32) and `vscalefps` for the `2^n`
+/// factor. Inputs below -126 (including -inf) give exactly 0, NaN gives 0: the one
+/// compare that finds them zeroes those lanes, so no clamp is needed (the polynomial's
+/// value there, NaN for -inf, is never used).
 ///
 /// # Safety
-/// The CPU must support AVX-512F.
+/// The CPU must support AVX-512F and AVX512DQ.
 #[inline]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::approx_constant)] // 0.693147 is a fitted coefficient, not ln 2.
+#[target_feature(enable = "avx512f,avx512dq")]
 pub(crate) unsafe fn exp2_512(x: __m512) -> __m512 {
-    let lo = _mm512_set1_ps(-126.0);
-    let valid = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lo);
-    let xc = _mm512_max_ps(x, lo);
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
-    let f = _mm512_sub_ps(xc, n);
-    let mut y = _mm512_set1_ps(1.326_467_1e-3);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.671_5e-3));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550_733_6e-2));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.240_222_42));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.693_147));
+    let valid = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(-126.0));
+    let f = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
+    let mut y = _mm512_set1_ps(1.867_126_3e-3);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.017_038e-3));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.579_991e-2));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.240_164_46));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.693_151_3));
     y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0));
-    _mm512_maskz_scalef_ps(valid, y, n)
+    _mm512_maskz_scalef_ps(valid, y, x)
 }
 
 /// [`exp2_512`] on the lanes of `keep` (0 elsewhere) with a shorter polynomial, for the
@@ -1086,7 +1086,7 @@ pub(crate) fn tail_mask_full(n: usize) -> __mmask16 {
 }
 
 /// `x[j] = 2^(x[j] - m)`; returns the sum.
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512dq")]
 unsafe fn exp2_sub_sum_impl(x: &mut [f32], m: f32) -> f32 {
     let n = x.len();
     let ptr = x.as_mut_ptr();
@@ -1118,13 +1118,13 @@ unsafe fn exp2_sub_sum_impl(x: &mut [f32], m: f32) -> f32 {
 /// One online-softmax row update; see `avx2::online_row`.
 ///
 /// # Safety
-/// AVX-512F must be available.
+/// AVX-512F and AVX512DQ must be available.
 pub(super) unsafe fn online_row(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
     // SAFETY: features guaranteed by the caller; all accesses are in bounds of `x`.
     unsafe { online_row_impl(x, m_old) }
 }
 
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512dq")]
 unsafe fn online_row_impl(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
     let bm = row_max_impl(x);
     let m_new = if bm > m_old { bm } else { m_old };
@@ -1351,8 +1351,8 @@ mod tests {
 
     #[test]
     fn exp2_512_accuracy() {
-        if !is_x86_feature_detected!("avx512f") {
-            eprintln!("note: no AVX-512F on this machine; exp2_512 not exercised");
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
+            eprintln!("note: no AVX-512F/DQ on this machine; exp2_512 not exercised");
             return;
         }
         let mut worst = 0f64;
@@ -1360,7 +1360,7 @@ mod tests {
         while x < 125.0 {
             let xs: [f32; 16] = std::array::from_fn(|i| x + i as f32 / 16.0);
             let mut out = [0f32; 16];
-            // SAFETY: AVX-512F detected above; arrays hold 16 lanes.
+            // SAFETY: AVX-512F and DQ detected above; arrays hold 16 lanes.
             unsafe { _mm512_storeu_ps(out.as_mut_ptr(), exp2_512(_mm512_loadu_ps(xs.as_ptr()))) };
             for (a, o) in xs.iter().zip(out) {
                 let r = (*a as f64).exp2();

@@ -67,7 +67,7 @@ pub struct Causal {
 /// Instruction set used by the micro-kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// x86-64 AVX-512F (12×32 register tiles).
+    /// x86-64 AVX-512F and AVX512DQ (12×32 register tiles).
     Avx512,
     /// x86-64 AVX2 + FMA.
     Avx2Fma,
@@ -93,7 +93,11 @@ impl Isa {
         match self {
             Isa::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            // DQ for the softmax's `vreduceps` (`avx512::exp2_512`).
+            Isa::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512dq")
+            }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => {
                 std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
