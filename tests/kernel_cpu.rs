@@ -670,3 +670,66 @@ fn amx_lazy_rescale_follows_growing_scores() -> Result<()> {
     check_amx_precision(&q, &k, &v, None, None, "spike in lane 5", &[DType::BF16])?;
     Ok(())
 }
+
+/// The f32 softmax's lazy rescaling (AVX-512 keeps a row's stale running maximum while
+/// the scores stay within 2^8 of it, and redoes a row against its own maximum beyond
+/// that), on every instruction set: scores that step up from one 64-key block to the
+/// next, slowly and fast, on full and causal rows, with `Ev = 64` (64-key blocks) and
+/// `Ev = 130` (two blocks at once on AVX-512), and one key far above the rest in lane 5
+/// of its 16-key chunk. A row's score for key `j` is about `0.125 · 64 · k_j = 8·k_j`
+/// nats (queries of ones); scores are centred on 0 so that their own f32 rounding stays
+/// well below the tolerance.
+#[test]
+fn f32_lazy_rescale_follows_growing_scores() -> Result<()> {
+    let mut rng = Rng(0x5ca1_ab1e);
+    let dev = Device::Cpu;
+    let (l, s, e) = (40, 256, 64);
+    let spike = 2 * 64 + 16 * 2 + 5;
+    for ev in [64, 130] {
+        // Per block the scores step up by 8·step nats: ≈ 1.4 in log2 (kept), ≈ 11.5
+        // (redone) and ≈ 65 (two steps overflow f32 without the redo). Step 0: flat
+        // scores but for the spike, 100 nats (≈ 144 in log2) above them.
+        for (step, causal) in [
+            (0.12, false),
+            (1.0, false),
+            (1.0, true),
+            (5.6, false),
+            (5.6, true),
+            (0.0, false),
+        ] {
+            let qv: Vec<f32> = (0..l * e).map(|_| 1.0 + 0.01 * rng.uniform()).collect();
+            let kv: Vec<f32> = (0..s * e)
+                .map(|i| {
+                    let j = i / e;
+                    let base = if step == 0.0 {
+                        if j == spike {
+                            12.5
+                        } else {
+                            0.0
+                        }
+                    } else {
+                        ((j / 64) as f32 - 1.5) * step
+                    };
+                    base + 0.05 * (rng.uniform() - 0.5)
+                })
+                .collect();
+            let q = Tensor::from_vec(qv, (1, 1, l, e), &dev)?;
+            let k = Tensor::from_vec(kv, (1, 1, s, e), &dev)?;
+            let v = Tensor::from_vec(rng.vec(s * ev, 1.5), (1, 1, s, ev), &dev)?;
+            let c = causal.then_some(Causal {
+                offset: s as isize - l as isize,
+                window: None,
+            });
+            let want = reference(&q, &k, &v, None, c, 0.125)?;
+            for isa in isas() {
+                let got = sdpa_with_isa(&q, &k, &v, None, c, 0.125, isa)?;
+                let err = max_rel_err(&got, &want)?;
+                assert!(
+                    err <= tol(DType::F32),
+                    "{isa:?} ev {ev} step {step} causal={causal}: rel err {err}"
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1139,6 +1139,75 @@ unsafe fn online_row_impl(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
     (m_new, alpha, exp2_sub_sum_impl(x, m_new))
 }
 
+/// Online-softmax update of `n` f32 score rows of at most 128 keys, in place, lazily
+/// rescaled as in [`softmax_row_bf16`]: row `r` (at `s + r·lds`, `nk` keys) becomes
+/// `p = 2^(x − m_new)` on its visible keys `[a, z)` and 0 on the rest of `0..nk`, where
+/// `(a, z) = range(r)`. `m`, `l` and `alpha` are updated as by [`online_row`]
+/// (`l ← alpha·l + Σ p`), except that the reference `m_new` stays `m_old`
+/// (`alpha = 1`) unless the row's maximum exceeds it by more than
+/// [`LAZY_RESCALE_LOG2`], so `p ≤ 2^8`. A row's first visible block (`m_old = −inf`)
+/// sets `m_new` to its maximum; a row with no visible key so far is all 0, with `m`
+/// and `l` unchanged and `alpha = 1`.
+///
+/// The row stays in registers between its maximum and its exponentials (`NC` chunks of
+/// 16 keys, `16·NC ≥ nk`), so no pass over memory finds the maximum and a row whose
+/// maximum stays within the bound needs no horizontal maximum at all.
+///
+/// # Safety
+/// AVX-512F and AVX512DQ must be available; `s` holds `n` rows of stride `lds ≥ nk`;
+/// `m`, `l`, `alpha` hold `n` elements; `a ≤ z ≤ nk ≤ 16·NC` for every range.
+#[target_feature(enable = "avx512f,avx512dq")]
+pub(super) unsafe fn online_rows_lazy<const NC: usize>(
+    s: *mut f32,
+    (lds, n, nk): (usize, usize, usize),
+    range: impl Fn(usize) -> (usize, usize),
+    (m, l, alpha): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    debug_assert!(nk <= 16 * NC && lds >= nk && m.len() >= n && l.len() >= n && alpha.len() >= n);
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let bound = _mm512_set1_ps(LAZY_RESCALE_LOG2);
+    let stores: [__mmask16; NC] = std::array::from_fn(|c| chunk_mask(16 * c, (0, nk)));
+    for r in 0..n {
+        let row = s.add(r * lds);
+        let ar = range(r);
+        debug_assert!(ar.0 <= ar.1 && ar.1 <= nk);
+        let mut v = [ninf; NC];
+        let mut mx = ninf;
+        for (c, vc) in v.iter_mut().enumerate() {
+            *vc = _mm512_mask_loadu_ps(ninf, chunk_mask(16 * c, ar), row.add(16 * c));
+            mx = _mm512_max_ps(mx, *vc);
+        }
+        let m_old = m[r];
+        let (m_new, al) = if m_old == f32::NEG_INFINITY {
+            let bm = _mm512_reduce_max_ps(mx);
+            if bm == f32::NEG_INFINITY {
+                for (c, &sm) in stores.iter().enumerate() {
+                    _mm512_mask_storeu_ps(row.add(16 * c), sm, _mm512_setzero_ps());
+                }
+                alpha[r] = 1.0;
+                continue;
+            }
+            (bm, 0.0)
+        } else if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_sub_ps(mx, _mm512_set1_ps(m_old)), bound) == 0 {
+            (m_old, 1.0)
+        } else {
+            // The row's maximum ran ahead of the reference: rescale to it.
+            let bm = _mm512_reduce_max_ps(mx);
+            (bm, _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - bm))))
+        };
+        let mv = _mm512_set1_ps(m_new);
+        let mut sum = _mm512_setzero_ps();
+        for (c, (&vc, &sm)) in v.iter().zip(&stores).enumerate() {
+            let pc = exp2_512(_mm512_sub_ps(vc, mv));
+            _mm512_mask_storeu_ps(row.add(16 * c), sm, pc);
+            sum = _mm512_add_ps(sum, pc);
+        }
+        l[r] = l[r] * al + _mm512_reduce_add_ps(sum);
+        m[r] = m_new;
+        alpha[r] = al;
+    }
+}
+
 /// Lane mask of the lanes of the 16-key chunk starting at `x0` that are visible in `[a, z)`.
 #[inline]
 fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
