@@ -305,6 +305,18 @@ unsafe fn qk_impl(
     // Panel-pair outer: two K panels (32 keys × E) stay in L1 while Q strips stream.
     let mut p = 0;
     while p < npanels {
+        if p + 4 <= npanels {
+            // Four K panels (64 keys) per 6-row Q strip: each strip is read once per 64
+            // keys, and a step takes 4 K loads and 6 broadcasts for 24 FMAs.
+            for st in 0..nstrips {
+                let sp = s.add(st * MR * lds + p * NR);
+                let qs = q.add(st * MR * e);
+                let kpp = kp.add(p * e * NR);
+                qk_tile::<1, 4>(qs, e, (MR * e, e * NR), kpp, sp, lds);
+            }
+            p += 4;
+            continue;
+        }
         let two = p + 1 < npanels;
         let mut st = 0;
         while st < nstrips {
@@ -726,6 +738,18 @@ unsafe fn pv_impl<const T: u8, const G: usize>(
     }
     let mut n = 0;
     while n < nvp {
+        if n + 4 <= nvp {
+            // Four panels (64 outputs) per 6-row strip: each P row is read once per
+            // 64 outputs, and a key step takes 4 V loads and 6 broadcasts for 24 FMAs.
+            for st in 0..nstrips {
+                let r0 = st * MR;
+                let (sr, v0) = (src.rows_from(r0), n * src.vps);
+                let (op, al) = (o.add(r0 * ldo + n * NR), alpha.add(r0));
+                pv_tile::<6, 4, T, G>(sr, v0, op, ldo, al);
+            }
+            n += 4;
+            continue;
+        }
         let two = n + 1 < nvp;
         let mut st = 0;
         while st < nstrips {
