@@ -1089,7 +1089,7 @@ unsafe fn row_max_impl(x: &[f32]) -> f32 {
 /// # Safety
 /// AVX-512F and AVX512-BF16 must be available; `hi` (and `lo`) hold 16 elements.
 #[inline]
-#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512bf16")]
 pub(crate) unsafe fn store_components(v: __m512, hi: *mut u16, lo: *mut u16) {
     let h = _mm512_cvtneps_pbh(v);
     _mm256_storeu_si256(hi as *mut __m256i, std::mem::transmute::<__m256bh, __m256i>(h));
@@ -1421,7 +1421,7 @@ pub(crate) unsafe fn store_f16(dst: *mut half::f16, src: &[f32]) {
 ///
 /// # Safety
 /// AVX-512F and AVX512-BF16 must be available, and `dst` valid for `src.len()` writes.
-#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512bf16")]
 pub(crate) unsafe fn store_bf16(dst: *mut half::bf16, src: &[f32]) {
     let n = src.len();
     let mut x = 0;
