@@ -439,8 +439,9 @@ macro_rules! tdp {
 }
 
 /// `S = Q·Kᵀ` for one block: `rtiles` 16-row tiles of Q (`qa`, per-component stride
-/// `qcs`, row stride `e_pad(e)`) against the [`BK`] keys of a packed K block (`kb`, per-
-/// component stride `kcs`); scores go to `s` (f32, row stride `lds` floats).
+/// `qcs`, row stride `ldq ≥ e_pad(e)` elements) against the [`BK`] keys of a packed K
+/// block (`kb`, per-component stride `kcs`); scores go to `s` (f32, row stride `lds`
+/// floats).
 ///
 /// # Safety
 /// [`configure`] must have run on this thread; the buffers must hold what the layouts
@@ -449,7 +450,7 @@ macro_rules! tdp {
 pub(crate) unsafe fn qk(
     qa: *const u16,
     qcs: usize,
-    rtiles: usize,
+    (rtiles, ldq): (usize, usize),
     e: usize,
     kb: *const u16,
     kcs: usize,
@@ -459,7 +460,7 @@ pub(crate) unsafe fn qk(
 ) {
     let ep = e_pad(e);
     let kt = ep / TK;
-    let (sa, sb, ss) = (ep * 2, TK * 2, lds * 4);
+    let (sa, sb, ss) = (ldq * 2, TK * 2, lds * 4);
     let mut rt = 0;
     while rt < rtiles {
         let two = rt + 1 < rtiles;
@@ -470,7 +471,7 @@ pub(crate) unsafe fn qk(
             tzero!(3);
             for &(ca, cb) in terms {
                 for t in 0..kt {
-                    let a0 = qa.add(ca * qcs + rt * TM * ep + t * TK);
+                    let a0 = qa.add(ca * qcs + rt * TM * ldq + t * TK);
                     let b0 = kb.add(cb * kcs + (panel * kt + t) * TILE);
                     let b1 = kb.add(cb * kcs + ((panel + 1) * kt + t) * TILE);
                     tload!(4, a0, sa);
@@ -479,7 +480,7 @@ pub(crate) unsafe fn qk(
                     tdp!(0, 4, 6);
                     tdp!(1, 4, 7);
                     if two {
-                        tload!(5, a0.add(TM * ep), sa);
+                        tload!(5, a0.add(TM * ldq), sa);
                         tdp!(2, 5, 6);
                         tdp!(3, 5, 7);
                     }

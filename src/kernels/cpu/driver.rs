@@ -644,8 +644,33 @@ fn process_amx(
         ab.rows.grow(comps * BK * ep.max(evp));
     }
 
+    // bf16 Q whose rows are the AMX operand as they are (one component, unit inner
+    // stride, E a multiple of the tile depth, the block inside one head): its whole
+    // 16-row tiles are loaded from the source, and only a last partial tile is copied.
+    use super::pack::Data;
+    let q_src: Option<(*const u16, usize)> = match p.q.data {
+        Data::BF16(d)
+            if comps == 1
+                && p.q.strides[3] == 1
+                && e == ep
+                && n >= TM
+                && blk.r0 / p.l == (blk.r0 + n - 1) / p.l =>
+        {
+            let (hl, i0) = (blk.r0 / p.l, blk.r0 % p.l);
+            let off = p.q.row_offset(bb, kvh * p.group() + hl, i0);
+            let ld = p.q.strides[2];
+            // The first and last element of the in-place tiles lie in `d`.
+            let last = off + ((n / TM) * TM - 1) * ld + e;
+            (last <= d.len()).then(|| (d[off..].as_ptr() as *const u16, ld))
+        }
+        _ => None,
+    };
+    let full_tiles = if q_src.is_some() { n / TM } else { 0 };
     let qa = ab.qa.as_mut_ptr();
     let vis = block_rows(p, blk, (hh, ii, lo, hi), |r, off| {
+        if r < full_tiles * TM {
+            return;
+        }
         // SAFETY: `p.amx` is only set after `amx::available()`; row `r` of each
         // component holds `ep` elements of `ab.qa`.
         unsafe {
@@ -729,21 +754,24 @@ fn process_amx(
                 while t1 < rtiles && tile_nb[t1] > bi {
                     t1 += 1;
                 }
-                // SAFETY: `configure` ran on this thread; Q holds `rtiles` tiles of every
-                // component (tiles `t0..t1` from row `t0·TM`), each K block `kbl`
-                // elements, the score buffer `rows × SBK` floats.
+                // Tiles `t0..mid` from the source, `mid..t1` from the copy.
+                let mid = t1.min(full_tiles).max(t0);
+                // SAFETY: `configure` ran on this thread. Tiles below `full_tiles` are
+                // whole source rows of stride `ld` (bounds checked with `q_src`); the
+                // copy holds `rtiles` tiles of every component (tiles `t0..t1` from row
+                // `t0·TM`); each K block holds `kbl` elements, the score buffer
+                // `rows × SBK` floats.
                 unsafe {
-                    amx::qk(
-                        ab.qa.as_ptr().add(t0 * TM * ep),
-                        qcs,
-                        t1 - t0,
-                        e,
-                        kbp,
-                        kcs,
-                        plan.qk,
-                        sb.add(t0 * TM * SBK + bi * BK),
-                        SBK,
-                    )
+                    if let (Some((qs, ld)), true) = (q_src, mid > t0) {
+                        let q0 = qs.add(t0 * TM * ld);
+                        let s0 = sb.add(t0 * TM * SBK + bi * BK);
+                        amx::qk(q0, 0, (mid - t0, ld), e, kbp, kcs, plan.qk, s0, SBK);
+                    }
+                    if t1 > mid {
+                        let q0 = ab.qa.as_ptr().add(mid * TM * ep);
+                        let s0 = sb.add(mid * TM * SBK + bi * BK);
+                        amx::qk(q0, qcs, (t1 - mid, ep), e, kbp, kcs, plan.qk, s0, SBK);
+                    }
                 };
                 t0 = t1;
             }
