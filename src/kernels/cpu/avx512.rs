@@ -1,5 +1,6 @@
-//! AVX-512F micro-kernels: 12×32 register tiles (24 zmm accumulators, 2 panel loads,
-//! broadcasts folded into the FMAs), with 6-row and 16-key tails. The packed layouts
+//! AVX-512F micro-kernels: 6×64 register tiles (24 zmm accumulators, 4 panel loads and 6
+//! broadcasts per step) wherever a block has 64 keys or outputs, 12×32 tiles (2 panel
+//! loads, 12 broadcasts) for the rest, with 6-row and 16-key tails. The packed layouts
 //! are the AVX2 ones (`pack`): a zmm register holds exactly one 16-lane panel row, and a
 //! 12-row tile reads two 6-row Q strips.
 //!

@@ -10,19 +10,22 @@
 //! * Prefill (several row blocks per group): K/V are converted to f32 and packed once per
 //!   (batch, kv head) into micro-kernel panels (`pack`), shared by every query head of
 //!   the group; groups are packed in chunks of at most 32 MiB, so extra memory stays
-//!   O(threads × block + 32 MiB) whatever L and S are.
+//!   O(threads × block + 32 MiB) whatever L and S are. The calling thread keeps that
+//!   buffer for its next call (a fresh one costs a page fault per 4 KiB).
 //! * One row block per group: K/V are packed block by block inside the item; with few
 //!   query rows per group (decode, `G·L` ≤ 24) K/V rows are read straight from the
 //!   source (f32) or converted row by row (f16/bf16) and fed to a dot-product score
 //!   kernel, so each K/V row is streamed once per GQA group. When there are fewer
 //!   groups than 2 × threads, the key range is split across items and merged with
 //!   log-sum-exp.
-//! * Register-blocked micro-kernels for `S = Q·Kᵀ` and `O = α·O + P·V`: AVX-512F 12×32
-//!   tiles (`avx512`), AVX2+FMA 6×16 tiles (`avx2`), NEON (`neon`) and a portable
-//!   auto-vectorised fallback (`portable`), chosen at runtime; a polynomial `2^x` (`exp`,
-//!   `avx512::exp2_512`) — scores are kept in the log2 domain (`log2 e` folded into the
-//!   query scale and the mask). On AVX-512, f32 prefill with Ev ≥ 128 takes two wholly
-//!   visible key blocks per step (`avx512::pv_pair`).
+//! * Register-blocked micro-kernels for `S = Q·Kᵀ` and `O = α·O + P·V`: AVX-512F/DQ
+//!   6×64 tiles with 12×32 and smaller ones for the remainders (`avx512`), AVX2+FMA
+//!   6×16 tiles (`avx2`), NEON (`neon`) and a portable auto-vectorised fallback
+//!   (`portable`), chosen at runtime; a polynomial `2^x` (`exp`, `avx512::exp2_512`) —
+//!   scores are kept in the log2 domain (`log2 e` folded into the query scale and the
+//!   mask). On AVX-512, f32 prefill with Ev ≥ 128 takes two wholly visible key blocks
+//!   per step (`avx512::pv_pair`), and the softmax updates a block's rows in one call,
+//!   each row in registers, with lazy rescaling (`avx512::online_rows_lazy`).
 //! * bf16/f16 on a CPU with AMX: both block products on the tile unit (`amx`, f32
 //!   accumulation) over 256-key super-blocks, with inputs split into exact bf16
 //!   components (see `amx` for the error bounds); the softmax stays in f32 on AVX-512,
