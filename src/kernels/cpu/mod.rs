@@ -70,7 +70,7 @@ pub struct Causal {
 /// Instruction set used by the micro-kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// x86-64 AVX-512F and AVX512DQ (12×32 register tiles).
+    /// x86-64 AVX-512F and AVX512DQ (6×64 and 12×32 register tiles).
     Avx512,
     /// x86-64 AVX2 + FMA.
     Avx2Fma,
