@@ -603,6 +603,29 @@ fn check_amx_precision(
     Ok(())
 }
 
+/// Inputs of the lazy-rescaling tests: queries of about 1 `(1, 1, l, e)`, keys whose
+/// elements come from `key(rng, j)` for key `j` `(1, 1, s, e)`, values of amplitude 1.5
+/// `(1, 1, s, ev)`, and, with `causal`, the bottom-right aligned causal rule. A row's
+/// score for key `j` is then about `e · scale · key(j)`.
+fn rescale_case(
+    rng: &mut Rng,
+    (l, s, e, ev): (usize, usize, usize, usize),
+    mut key: impl FnMut(&mut Rng, usize) -> f32,
+    causal: bool,
+) -> Result<(Tensor, Tensor, Tensor, Option<Causal>)> {
+    let dev = Device::Cpu;
+    let qv: Vec<f32> = (0..l * e).map(|_| 1.0 + 0.01 * rng.uniform()).collect();
+    let kv: Vec<f32> = (0..s * e).map(|i| key(rng, i / e)).collect();
+    let q = Tensor::from_vec(qv, (1, 1, l, e), &dev)?;
+    let k = Tensor::from_vec(kv, (1, 1, s, e), &dev)?;
+    let v = Tensor::from_vec(rng.vec(s * ev, 1.5), (1, 1, s, ev), &dev)?;
+    let c = causal.then_some(Causal {
+        offset: s as isize - l as isize,
+        window: None,
+    });
+    Ok((q, k, v, c))
+}
+
 /// Scores that grow along the keys, slowly (the AMX softmax keeps its stale running
 /// maximum: probabilities up to 2^8) and fast (every 256-key super-block exceeds it by
 /// more than 2^8 and is redone against its own maximum); also on causal rows, whose
@@ -611,7 +634,6 @@ fn check_amx_precision(
 #[test]
 fn amx_lazy_rescale_follows_growing_scores() -> Result<()> {
     let mut rng = Rng(0x1a2e_5ca1);
-    let dev = Device::Cpu;
     let (l, s, e, ev) = (160, 1024, 64, 64);
     // Per 256 keys the scores grow by 8·256·slope nats: 1 (≈ 1.4 in log2, lazy), 8
     // (≈ 11.5, redone), 16 (≈ 23) and 64 (≈ 92: without the redo, probabilities would
@@ -629,17 +651,8 @@ fn amx_lazy_rescale_follows_growing_scores() -> Result<()> {
         (1.0 / 32.0, true, &[DType::BF16][..]),
         (1.0 / 8.0, true, &[DType::BF16][..]),
     ] {
-        let qv: Vec<f32> = (0..l * e).map(|_| 1.0 + 0.01 * rng.uniform()).collect();
-        let kv: Vec<f32> = (0..s * e)
-            .map(|i| (i / e) as f32 * slope + 0.05 * (rng.uniform() - 0.5))
-            .collect();
-        let q = Tensor::from_vec(qv, (1, 1, l, e), &dev)?;
-        let k = Tensor::from_vec(kv, (1, 1, s, e), &dev)?;
-        let v = Tensor::from_vec(rng.vec(s * ev, 1.5), (1, 1, s, ev), &dev)?;
-        let c = causal.then_some(Causal {
-            offset: s as isize - l as isize,
-            window: None,
-        });
+        let key = |rng: &mut Rng, j: usize| j as f32 * slope + 0.05 * (rng.uniform() - 0.5);
+        let (q, k, v, c) = rescale_case(&mut rng, (l, s, e, ev), key, causal)?;
         check_amx_precision(
             &q,
             &k,
@@ -653,20 +666,15 @@ fn amx_lazy_rescale_follows_growing_scores() -> Result<()> {
     // Flat scores but for one key of the third 256-key block (lane 5 of its 16-key chunk)
     // that scores 100 nats (≈ 144 in log2) above the rest: only that lane's maximum
     // calls for the redo, and without it the key's probability would overflow f32.
-    let qv: Vec<f32> = (0..l * e).map(|_| 1.0 + 0.01 * rng.uniform()).collect();
     let spike = 2 * 256 + 16 * 7 + 5;
-    let kv: Vec<f32> = (0..s * e)
-        .map(|i| {
-            if i / e == spike {
-                12.5
-            } else {
-                0.05 * (rng.uniform() - 0.5)
-            }
-        })
-        .collect();
-    let q = Tensor::from_vec(qv, (1, 1, l, e), &dev)?;
-    let k = Tensor::from_vec(kv, (1, 1, s, e), &dev)?;
-    let v = Tensor::from_vec(rng.vec(s * ev, 1.5), (1, 1, s, ev), &dev)?;
+    let key = |rng: &mut Rng, j: usize| {
+        if j == spike {
+            12.5
+        } else {
+            0.05 * (rng.uniform() - 0.5)
+        }
+    };
+    let (q, k, v, _) = rescale_case(&mut rng, (l, s, e, ev), key, false)?;
     check_amx_precision(&q, &k, &v, None, None, "spike in lane 5", &[DType::BF16])?;
     Ok(())
 }
@@ -682,7 +690,6 @@ fn amx_lazy_rescale_follows_growing_scores() -> Result<()> {
 #[test]
 fn f32_lazy_rescale_follows_growing_scores() -> Result<()> {
     let mut rng = Rng(0x5ca1_ab1e);
-    let dev = Device::Cpu;
     let (l, s, e) = (40, 256, 64);
     let spike = 2 * 64 + 16 * 2 + 5;
     for ev in [64, 130] {
@@ -697,29 +704,19 @@ fn f32_lazy_rescale_follows_growing_scores() -> Result<()> {
             (5.6, true),
             (0.0, false),
         ] {
-            let qv: Vec<f32> = (0..l * e).map(|_| 1.0 + 0.01 * rng.uniform()).collect();
-            let kv: Vec<f32> = (0..s * e)
-                .map(|i| {
-                    let j = i / e;
-                    let base = if step == 0.0 {
-                        if j == spike {
-                            12.5
-                        } else {
-                            0.0
-                        }
+            let key = |rng: &mut Rng, j: usize| {
+                let base = if step == 0.0 {
+                    if j == spike {
+                        12.5
                     } else {
-                        ((j / 64) as f32 - 1.5) * step
-                    };
-                    base + 0.05 * (rng.uniform() - 0.5)
-                })
-                .collect();
-            let q = Tensor::from_vec(qv, (1, 1, l, e), &dev)?;
-            let k = Tensor::from_vec(kv, (1, 1, s, e), &dev)?;
-            let v = Tensor::from_vec(rng.vec(s * ev, 1.5), (1, 1, s, ev), &dev)?;
-            let c = causal.then_some(Causal {
-                offset: s as isize - l as isize,
-                window: None,
-            });
+                        0.0
+                    }
+                } else {
+                    ((j / 64) as f32 - 1.5) * step
+                };
+                base + 0.05 * (rng.uniform() - 0.5)
+            };
+            let (q, k, v, c) = rescale_case(&mut rng, (l, s, e, ev), key, causal)?;
             let want = reference(&q, &k, &v, None, c, 0.125)?;
             for isa in isas() {
                 let got = sdpa_with_isa(&q, &k, &v, None, c, 0.125, isa)?;

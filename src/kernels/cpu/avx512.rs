@@ -1061,29 +1061,6 @@ unsafe fn qk_dot_row<const T: u8>(q: *const f32, e: usize, k: *const u8, ldk: us
     }
 }
 
-/// Row maximum (-inf for empty / all -inf rows).
-#[target_feature(enable = "avx512f")]
-unsafe fn row_max_impl(x: &[f32]) -> f32 {
-    let n = x.len();
-    let ptr = x.as_ptr();
-    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut m0 = ninf;
-    let mut m1 = ninf;
-    let mut j = 0;
-    while j + 32 <= n {
-        m0 = _mm512_max_ps(m0, _mm512_loadu_ps(ptr.add(j)));
-        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(ptr.add(j + 16)));
-        j += 32;
-    }
-    while j < n {
-        let t = (n - j).min(16);
-        let v = _mm512_mask_loadu_ps(ninf, tail_mask_full(t), ptr.add(j));
-        m0 = _mm512_max_ps(m0, v);
-        j += t;
-    }
-    _mm512_reduce_max_ps(_mm512_max_ps(m0, m1))
-}
-
 /// Stores 16 floats as bf16 components: `hi = bf16(v)` and, unless `lo` is null,
 /// `lo = bf16(v − hi)` (16 elements each).
 ///
@@ -1110,64 +1087,10 @@ pub(crate) fn tail_mask_full(n: usize) -> __mmask16 {
     }
 }
 
-/// `x[j] = 2^(x[j] - m)`; returns the sum.
-#[target_feature(enable = "avx512f,avx512dq")]
-unsafe fn exp2_sub_sum_impl(x: &mut [f32], m: f32) -> f32 {
-    let n = x.len();
-    let ptr = x.as_mut_ptr();
-    let mv = _mm512_set1_ps(m);
-    let mut s0 = _mm512_setzero_ps();
-    let mut s1 = _mm512_setzero_ps();
-    let mut j = 0;
-    while j + 32 <= n {
-        let a = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(ptr.add(j)), mv));
-        let b = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(ptr.add(j + 16)), mv));
-        _mm512_storeu_ps(ptr.add(j), a);
-        _mm512_storeu_ps(ptr.add(j + 16), b);
-        s0 = _mm512_add_ps(s0, a);
-        s1 = _mm512_add_ps(s1, b);
-        j += 32;
-    }
-    while j < n {
-        let t = (n - j).min(16);
-        let tm = tail_mask_full(t);
-        let v = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), tm, ptr.add(j));
-        let a = exp2_512(_mm512_sub_ps(v, mv));
-        _mm512_mask_storeu_ps(ptr.add(j), tm, a);
-        s0 = _mm512_add_ps(s0, a);
-        j += t;
-    }
-    _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))
-}
-
-/// One online-softmax row update; see `avx2::online_row`.
-///
-/// # Safety
-/// AVX-512F and AVX512DQ must be available.
-pub(super) unsafe fn online_row(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
-    // SAFETY: features guaranteed by the caller; all accesses are in bounds of `x`.
-    unsafe { online_row_impl(x, m_old) }
-}
-
-#[target_feature(enable = "avx512f,avx512dq")]
-unsafe fn online_row_impl(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
-    let bm = row_max_impl(x);
-    let m_new = if bm > m_old { bm } else { m_old };
-    if m_new == f32::NEG_INFINITY {
-        return (m_new, 1.0, 0.0);
-    }
-    let alpha = if m_old == m_new {
-        1.0
-    } else {
-        _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)))
-    };
-    (m_new, alpha, exp2_sub_sum_impl(x, m_new))
-}
-
 /// Online-softmax update of `n` f32 score rows of at most 128 keys, in place, lazily
 /// rescaled as in [`softmax_row_bf16`]: row `r` (at `s + r·lds`, `nk` keys) becomes
 /// `p = 2^(x − m_new)` on its visible keys `[a, z)` and 0 on the rest of `0..nk`, where
-/// `(a, z) = range(r)`. `m`, `l` and `alpha` are updated as by [`online_row`]
+/// `(a, z) = range(r)`. `m`, `l` and `alpha` are updated as by `avx2::online_row`
 /// (`l ← alpha·l + Σ p`), except that the reference `m_new` stays `m_old`
 /// (`alpha = 1`) unless the row's maximum exceeds it by more than
 /// [`LAZY_RESCALE_LOG2`], so `p ≤ 2^8`. A row's first visible block (`m_old = −inf`)

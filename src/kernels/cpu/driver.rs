@@ -1237,20 +1237,22 @@ fn online_rows(
             (0, nk)
         }
     };
+    if let Some(mk) = &p.mask {
+        for r in 0..n {
+            let (a, z) = range(r);
+            let vis = &mut sb[r * lds + a..r * lds + z];
+            mk.add_row(rows.bb, rows.hh[r], rows.ii[r], j0 + a, vis, LOG2_E);
+        }
+    }
     // AVX-512: all rows in one call, each kept in registers, rescaled lazily
     // (`avx512::online_rows_lazy`). Measured, alternating binaries: see the README.
     #[cfg(target_arch = "x86_64")]
-    if p.isa == Isa::Avx512 && nk <= 2 * BK {
+    if p.isa == Isa::Avx512 {
+        // Callers pass one key block or a pair of them.
+        assert!(nk <= 2 * BK, "{nk} keys: at most two blocks per softmax update");
         assert!(
             n <= m.len() && n <= lsum.len() && n <= alpha.len() && (n == 0 || sb.len() >= (n - 1) * lds + nk)
         );
-        if let Some(mk) = &p.mask {
-            for r in 0..n {
-                let (a, z) = range(r);
-                let vis = &mut sb[r * lds + a..r * lds + z];
-                mk.add_row(rows.bb, rows.hh[r], rows.ii[r], j0 + a, vis, LOG2_E);
-            }
-        }
         let sp = sb.as_mut_ptr();
         // SAFETY: `Isa::Avx512` is only selected after detecting AVX-512F and DQ; the
         // bounds of `sb`, `m`, `lsum` and `alpha` are asserted above, and every range
@@ -1267,11 +1269,7 @@ fn online_rows(
     for r in 0..n {
         let row = &mut sb[r * lds..r * lds + nk];
         let (a, z) = range(r);
-        let vis = &mut row[a..z];
-        if let Some(mk) = &p.mask {
-            mk.add_row(rows.bb, rows.hh[r], rows.ii[r], j0 + a, vis, LOG2_E);
-        }
-        let (m_new, al, sum) = p.isa.online_row(vis, m[r]);
+        let (m_new, al, sum) = p.isa.online_row(&mut row[a..z], m[r]);
         alpha[r] = al;
         if m_new == f32::NEG_INFINITY {
             row.fill(0.0);

@@ -218,14 +218,10 @@ impl Isa {
         portable::qk_dot(q, rows, e, k, ldk, nk, s, lds)
     }
 
-    /// Online-softmax update of one score row; see `avx2::online_row`.
+    /// Online-softmax update of one score row; see `avx2::online_row`. (AVX-512 updates
+    /// whole blocks of rows instead: `avx512::online_rows_lazy`.)
     #[inline]
     fn online_row(self, x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
-        #[cfg(target_arch = "x86_64")]
-        if self == Isa::Avx512 {
-            // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
-            return unsafe { avx512::online_row(x, m_old) };
-        }
         #[cfg(target_arch = "x86_64")]
         if self == Isa::Avx2Fma {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
