@@ -176,6 +176,17 @@ pub const SHAPES: &[Shape] = &[
         e: 40,
         ev: 130,
     },
+    // 64-key blocks and a 7-key tail against E = 66 and Ev = 70 (E and the tail not
+    // multiples of 4): the AVX-512 6×64 tiles' assembly loops run their leftover steps.
+    Shape {
+        b: 1,
+        hq: 2,
+        hkv: 1,
+        l: 75,
+        s: 135,
+        e: 66,
+        ev: 70,
+    },
 ];
 
 /// Every mask kind the dispatcher hands to the kernel, for one shape.
