@@ -1,7 +1,7 @@
 //! Times this crate's SDPA against candle's own paths, side by side in one process.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--json] [--case NAME] [--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S]
+//! cargo run --release --example bench -- [--json] [--case NAME] [--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S] [--no-peak | --peak-only]
 //! ```
 //!
 //! Implementations (`impl`): `ours` (this crate, default dispatch), `candle_unfused`
@@ -18,6 +18,12 @@
 //! larger of the first call (which includes buffers the kernel keeps for later calls,
 //! such as its K/V pack) and the second. A buffer kept from an earlier case of the same
 //! process is not counted again; run one `--case` per process for a standalone figure.
+//!
+//! Before the first case and after the last, the bench also measures the machine's f32
+//! FMA peak on all of the kernel's threads at once (a register-only loop of independent
+//! fused multiply-adds in the kernel's instruction set) and prints it to stderr, so a
+//! run's GFLOP/s can be read as a fraction of that run's peak (`--no-peak` skips it;
+//! `--peak-only` measures it and exits).
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -317,6 +323,146 @@ fn bench_case(
         .collect())
 }
 
+/// One thread's f32 FMA loop: `n` iterations of 24 independent `vfmadd231ps` on zmm
+/// registers (AVX-512F), 12 on ymm (AVX2+FMA) or 24 `fmla` on NEON q registers.
+/// Returns the FLOPs it did, or `None` where the kernel has no such instruction set.
+#[allow(unused_variables)]
+fn fma_loop(isa: &str, n: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == "avx512" {
+            // SAFETY: the kernel reports AVX-512 only on a CPU that has AVX-512F; the loop
+            // touches no memory and clobbers only the registers it names.
+            unsafe {
+                std::arch::asm!(
+                    "vxorps xmm30, xmm30, xmm30",
+                    "vxorps xmm31, xmm31, xmm31",
+                    "2:",
+                    "vfmadd231ps zmm0, zmm30, zmm31", "vfmadd231ps zmm1, zmm30, zmm31",
+                    "vfmadd231ps zmm2, zmm30, zmm31", "vfmadd231ps zmm3, zmm30, zmm31",
+                    "vfmadd231ps zmm4, zmm30, zmm31", "vfmadd231ps zmm5, zmm30, zmm31",
+                    "vfmadd231ps zmm6, zmm30, zmm31", "vfmadd231ps zmm7, zmm30, zmm31",
+                    "vfmadd231ps zmm8, zmm30, zmm31", "vfmadd231ps zmm9, zmm30, zmm31",
+                    "vfmadd231ps zmm10, zmm30, zmm31", "vfmadd231ps zmm11, zmm30, zmm31",
+                    "vfmadd231ps zmm12, zmm30, zmm31", "vfmadd231ps zmm13, zmm30, zmm31",
+                    "vfmadd231ps zmm14, zmm30, zmm31", "vfmadd231ps zmm15, zmm30, zmm31",
+                    "vfmadd231ps zmm16, zmm30, zmm31", "vfmadd231ps zmm17, zmm30, zmm31",
+                    "vfmadd231ps zmm18, zmm30, zmm31", "vfmadd231ps zmm19, zmm30, zmm31",
+                    "vfmadd231ps zmm20, zmm30, zmm31", "vfmadd231ps zmm21, zmm30, zmm31",
+                    "vfmadd231ps zmm22, zmm30, zmm31", "vfmadd231ps zmm23, zmm30, zmm31",
+                    "dec {n}",
+                    "jnz 2b",
+                    n = inout(reg) n.max(1) => _,
+                    out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                    out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                    out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                    out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+                    out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
+                    out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
+                    out("zmm30") _, out("zmm31") _,
+                    options(nostack, nomem),
+                );
+            }
+            return Some((n.max(1) * 24 * 32) as f64);
+        }
+        if isa == "avx2+fma" {
+            // SAFETY: as above, for AVX2+FMA.
+            unsafe {
+                std::arch::asm!(
+                    "vxorps xmm14, xmm14, xmm14",
+                    "vxorps xmm15, xmm15, xmm15",
+                    "2:",
+                    "vfmadd231ps ymm0, ymm14, ymm15", "vfmadd231ps ymm1, ymm14, ymm15",
+                    "vfmadd231ps ymm2, ymm14, ymm15", "vfmadd231ps ymm3, ymm14, ymm15",
+                    "vfmadd231ps ymm4, ymm14, ymm15", "vfmadd231ps ymm5, ymm14, ymm15",
+                    "vfmadd231ps ymm6, ymm14, ymm15", "vfmadd231ps ymm7, ymm14, ymm15",
+                    "vfmadd231ps ymm8, ymm14, ymm15", "vfmadd231ps ymm9, ymm14, ymm15",
+                    "vfmadd231ps ymm10, ymm14, ymm15", "vfmadd231ps ymm11, ymm14, ymm15",
+                    "dec {n}",
+                    "jnz 2b",
+                    n = inout(reg) n.max(1) => _,
+                    out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                    out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                    out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                    out("ymm14") _, out("ymm15") _,
+                    options(nostack, nomem),
+                );
+            }
+            return Some((n.max(1) * 12 * 16) as f64);
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if isa == "neon" {
+        // SAFETY: NEON is part of AArch64; the loop touches no memory and clobbers only
+        // the registers it names.
+        unsafe {
+            std::arch::asm!(
+                "movi v30.4s, #0",
+                "movi v31.4s, #0",
+                "2:",
+                "fmla v0.4s, v30.4s, v31.4s", "fmla v1.4s, v30.4s, v31.4s",
+                "fmla v2.4s, v30.4s, v31.4s", "fmla v3.4s, v30.4s, v31.4s",
+                "fmla v4.4s, v30.4s, v31.4s", "fmla v5.4s, v30.4s, v31.4s",
+                "fmla v6.4s, v30.4s, v31.4s", "fmla v7.4s, v30.4s, v31.4s",
+                "fmla v16.4s, v30.4s, v31.4s", "fmla v17.4s, v30.4s, v31.4s",
+                "fmla v18.4s, v30.4s, v31.4s", "fmla v19.4s, v30.4s, v31.4s",
+                "fmla v20.4s, v30.4s, v31.4s", "fmla v21.4s, v30.4s, v31.4s",
+                "fmla v22.4s, v30.4s, v31.4s", "fmla v23.4s, v30.4s, v31.4s",
+                "fmla v24.4s, v30.4s, v31.4s", "fmla v25.4s, v30.4s, v31.4s",
+                "fmla v26.4s, v30.4s, v31.4s", "fmla v27.4s, v30.4s, v31.4s",
+                "fmla v28.4s, v30.4s, v31.4s", "fmla v29.4s, v30.4s, v31.4s",
+                "subs {n}, {n}, #1",
+                "b.ne 2b",
+                n = inout(reg) n.max(1) => _,
+                out("v0") _, out("v1") _, out("v2") _, out("v3") _, out("v4") _, out("v5") _,
+                out("v6") _, out("v7") _, out("v16") _, out("v17") _, out("v18") _,
+                out("v19") _, out("v20") _, out("v21") _, out("v22") _, out("v23") _,
+                out("v24") _, out("v25") _, out("v26") _, out("v27") _, out("v28") _,
+                out("v29") _, out("v30") _, out("v31") _,
+                options(nostack, nomem),
+            );
+        }
+        return Some((n.max(1) * 22 * 8) as f64);
+    }
+    None
+}
+
+/// The f32 FMA peak in GFLOP/s with every rayon thread (the kernel's pool) running
+/// [`fma_loop`] at once, the median of three runs of about `secs` each, and the
+/// instruction set it used; `None` on the portable kernel.
+fn fma_peak(secs: f64) -> Option<(f64, usize, &'static str)> {
+    let isa = candle_attention::cpu_kernel_isa();
+    // Calibrate the iteration count on one thread.
+    let mut n = 1 << 16;
+    loop {
+        let t = Instant::now();
+        fma_loop(isa, n)?;
+        let dt = t.elapsed().as_secs_f64();
+        if dt > 0.02 {
+            n = ((n as f64) * secs / dt).max(1.0) as usize;
+            break;
+        }
+        n *= 4;
+    }
+    let threads = rayon::current_num_threads();
+    let mut runs: Vec<f64> = (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            let flops: f64 = rayon::broadcast(|_| fma_loop(isa, n).unwrap_or(0.0)).iter().sum();
+            flops / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    runs.sort_by(f64::total_cmp);
+    Some((runs[1], threads, isa))
+}
+
+fn report_peak(when: &str) {
+    match fma_peak(0.5) {
+        Some((g, t, isa)) => eprintln!("fma_peak {when}: {g:.1} GFLOP/s f32 ({t} threads, {isa})"),
+        None => eprintln!("fma_peak {when}: not measured (portable kernel)"),
+    }
+}
+
 fn main() -> Result<()> {
     let mut json = false;
     let mut only_case: Option<String> = None;
@@ -324,10 +470,16 @@ fn main() -> Result<()> {
     let mut only_impl: Option<String> = None;
     let mut rounds = 5usize;
     let mut min_secs = 1.0f64;
+    let mut peak = true;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--json" => json = true,
+            "--no-peak" => peak = false,
+            "--peak-only" => {
+                report_peak("now");
+                return Ok(());
+            }
             "--case" => only_case = args.next(),
             "--impl" => only_impl = args.next(),
             "--dtype" => {
@@ -350,6 +502,9 @@ fn main() -> Result<()> {
                 CASES.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")
             );
         }
+    }
+    if peak {
+        report_peak("before");
     }
     if !json {
         println!(
@@ -383,6 +538,9 @@ fn main() -> Result<()> {
                 }
             }
         }
+    }
+    if peak {
+        report_peak("after");
     }
     Ok(())
 }

@@ -12,7 +12,9 @@ whole calls for at least `min-secs`; the figure is the median time per call. PyT
 `F.scaled_dot_product_attention` (`nn.MultiheadAttention` for `mha_layer`) with as many
 threads as the machine has cores, under `torch.inference_mode()`. Torch and the Rust binary
 alternate: torch, rust, torch; torch's figure is the median over both of its turns. The Rust
-side runs `--impl ours` (the candle comparisons come from `examples/bench.rs` itself).
+side runs `--impl ours` (the candle comparisons come from `examples/bench.rs` itself). The
+machine's f32 FMA peak (`bench --peak-only`) is printed before the first case and after the
+last.
 """
 import argparse
 import json
@@ -87,7 +89,7 @@ def torch_case(name, dtype, rounds, min_secs):
 def rust_case(name, dtype, rounds, min_secs):
     out = subprocess.run(
         [BIN, "--json", "--case", name, "--dtype", dtype, "--impl", "ours", "--rounds", str(rounds),
-         "--min-secs", str(min_secs)],
+         "--min-secs", str(min_secs), "--no-peak"],
         check=True, capture_output=True, text=True,
     ).stdout
     return {r["impl"]: r for r in map(json.loads, out.splitlines())}
@@ -104,6 +106,7 @@ def main():
         sys.exit(f"build the Rust benchmark first: cargo build --release --example bench ({BIN} is missing)")
     torch.set_num_threads(os.cpu_count())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print_peak()
     print(f"{'case':<18} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10}")
     for name, spec in CASES.items():
         if args.case and args.case != name:
@@ -116,6 +119,13 @@ def main():
             torch_t.append(torch_case(name, dtype, args.rounds, args.min_secs) * 1e3)
             t = statistics.median(torch_t)
             print(f"{name:<18} {dtype:<5} {t:>10.3f} {ours:>10.3f} {t / ours:>10.2f}", flush=True)
+    print_peak()
+
+
+def print_peak():
+    """The machine's f32 FMA peak now, as measured by the Rust benchmark."""
+    out = subprocess.run([BIN, "--peak-only"], check=True, capture_output=True, text=True)
+    print(out.stderr.strip(), flush=True)
 
 
 if __name__ == "__main__":
