@@ -352,6 +352,10 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
                     "vfmadd231ps zmm22, zmm30, zmm31", "vfmadd231ps zmm23, zmm30, zmm31",
                     "dec {n}",
                     "jnz 2b",
+                    // Clean upper register state: the code after this (candle's, built for
+                    // baseline x86-64) would otherwise run its SSE instructions with
+                    // transition penalties.
+                    "vzeroupper",
                     n = inout(reg) n.max(1) => _,
                     out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
                     out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
@@ -380,11 +384,15 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
                     "vfmadd231ps ymm10, ymm14, ymm15", "vfmadd231ps ymm11, ymm14, ymm15",
                     "dec {n}",
                     "jnz 2b",
+                    // Clean upper register state: the code after this (candle's, built for
+                    // baseline x86-64) would otherwise run its SSE instructions with
+                    // transition penalties.
+                    "vzeroupper",
                     n = inout(reg) n.max(1) => _,
                     out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
                     out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
                     out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
-                    out("ymm14") _, out("ymm15") _,
+                    out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
                     options(nostack, nomem),
                 );
             }

@@ -19,7 +19,8 @@
 //!   groups than 2 × threads, the key range is split across items and merged with
 //!   log-sum-exp.
 //! * Register-blocked micro-kernels for `S = Q·Kᵀ` and `O = α·O + P·V`: AVX-512F/DQ
-//!   6×64 tiles with 12×32 and smaller ones for the remainders (`avx512`), AVX2+FMA
+//!   6×64 tiles (their f32 contraction loops in assembly, `avx512::tile_loop_6x4`) with
+//!   12×32 and smaller ones for the remainders (`avx512`), AVX2+FMA
 //!   6×16 tiles (`avx2`), NEON (`neon`) and a portable auto-vectorised fallback
 //!   (`portable`), chosen at runtime; a polynomial `2^x` (`exp`, `avx512::exp2_512`) —
 //!   scores are kept in the log2 domain (`log2 e` folded into the query scale and the
