@@ -127,6 +127,51 @@ pub(super) unsafe fn qk(
     unsafe { qk_impl(q.as_ptr(), rows, e, kp.as_ptr(), npanels, s.as_mut_ptr(), lds) }
 }
 
+/// Scores and softmax of one full, wholly visible 64-key block in one pass (no explicit
+/// mask): each 6-row strip's 6×64 score tile ([`qk_loop_6x4`]) goes through
+/// [`softmax_regs`] while still in registers, and only the probabilities are stored
+/// (`s`, row stride `lds`). Rows `live..rows` are padding: their scores (0) are stored
+/// as they are. `m`, `l` and `alpha` are updated for the first `live` rows, as by
+/// [`online_rows_lazy`].
+///
+/// # Safety
+/// AVX-512F and AVX512DQ must be available.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512dq")]
+pub(super) unsafe fn qk_softmax(
+    q: &[f32],
+    (rows, live): (usize, usize),
+    e: usize,
+    kp: &[f32],
+    s: &mut [f32],
+    lds: usize,
+    (m, l, alpha): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    assert!(rows.is_multiple_of(MR) && live <= rows && lds >= BK && BK == 4 * NR);
+    assert!(q.len() >= rows * e && kp.len() >= BK * e);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + BK);
+    assert!(m.len() >= live && l.len() >= live && alpha.len() >= live);
+    let (qp, kpp, sp) = (q.as_ptr(), kp.as_ptr(), s.as_mut_ptr());
+    for st in 0..rows / MR {
+        let mut acc = [[_mm512_setzero_ps(); 4]; 6];
+        // SAFETY: the strip's Q rows and the block's four K panels are inside `q` and
+        // `kp` (asserted above).
+        unsafe { qk_loop_6x4(&mut acc, qp.add(st * MR * e), 4, kpp, e * NR * 4, e) };
+        for (i, row) in acc.iter().enumerate() {
+            let r = st * MR + i;
+            let p = if r < live {
+                softmax_regs(*row, (&mut m[r], &mut l[r], &mut alpha[r]))
+            } else {
+                *row
+            };
+            for (c, &pc) in p.iter().enumerate() {
+                // SAFETY: row `r < rows` of `s` holds `BK` floats (asserted above).
+                unsafe { _mm512_storeu_ps(sp.add(r * lds + c * NR), pc) };
+            }
+        }
+    }
+}
+
 /// Transposes a 16×16 f32 block: row `i` of `dst` (stride `ldd`) receives column `i`
 /// of `src` (16 rows of stride `lds`). Unpacks of 32- and 64-bit elements, then two
 /// 128-bit lane shuffles.
@@ -1327,47 +1372,66 @@ pub(super) unsafe fn online_rows_lazy<const NC: usize>(
 ) {
     debug_assert!(nk <= 16 * NC && lds >= nk && m.len() >= n && l.len() >= n && alpha.len() >= n);
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let bound = _mm512_set1_ps(LAZY_RESCALE_LOG2);
     let stores: [__mmask16; NC] = std::array::from_fn(|c| chunk_mask(16 * c, (0, nk)));
     for r in 0..n {
         let row = s.add(r * lds);
         let ar = range(r);
         debug_assert!(ar.0 <= ar.1 && ar.1 <= nk);
         let mut v = [ninf; NC];
-        let mut mx = ninf;
         for (c, vc) in v.iter_mut().enumerate() {
             *vc = _mm512_mask_loadu_ps(ninf, chunk_mask(16 * c, ar), row.add(16 * c));
-            mx = _mm512_max_ps(mx, *vc);
         }
-        let m_old = m[r];
-        let (m_new, al) = if m_old == f32::NEG_INFINITY {
-            let bm = _mm512_reduce_max_ps(mx);
-            if bm == f32::NEG_INFINITY {
-                for (c, &sm) in stores.iter().enumerate() {
-                    _mm512_mask_storeu_ps(row.add(16 * c), sm, _mm512_setzero_ps());
-                }
-                alpha[r] = 1.0;
-                continue;
-            }
-            (bm, 0.0)
-        } else if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_sub_ps(mx, _mm512_set1_ps(m_old)), bound) == 0 {
-            (m_old, 1.0)
-        } else {
-            // The row's maximum ran ahead of the reference: rescale to it.
-            let bm = _mm512_reduce_max_ps(mx);
-            (bm, _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - bm))))
-        };
-        let mv = _mm512_set1_ps(m_new);
-        let mut sum = _mm512_setzero_ps();
-        for (c, (&vc, &sm)) in v.iter().zip(&stores).enumerate() {
-            let pc = exp2_512(_mm512_sub_ps(vc, mv));
+        let p = softmax_regs(v, (&mut m[r], &mut l[r], &mut alpha[r]));
+        for (c, (&pc, &sm)) in p.iter().zip(&stores).enumerate() {
             _mm512_mask_storeu_ps(row.add(16 * c), sm, pc);
-            sum = _mm512_add_ps(sum, pc);
         }
-        l[r] = l[r] * al + _mm512_reduce_add_ps(sum);
-        m[r] = m_new;
-        alpha[r] = al;
     }
+}
+
+/// The lazily rescaled online-softmax update of one score row held in registers (`NC`
+/// chunks of 16 scores, -inf where hidden), as described at [`online_rows_lazy`]:
+/// returns the probabilities (0 where hidden, all 0 for a row with nothing visible so
+/// far) and updates the row's `m`, `l` and `alpha`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq")]
+unsafe fn softmax_regs<const NC: usize>(
+    v: [__m512; NC],
+    (m, l, alpha): (&mut f32, &mut f32, &mut f32),
+) -> [__m512; NC] {
+    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+    for &vc in &v {
+        mx = _mm512_max_ps(mx, vc);
+    }
+    let m_old = *m;
+    let (m_new, al) = if m_old == f32::NEG_INFINITY {
+        let bm = _mm512_reduce_max_ps(mx);
+        if bm == f32::NEG_INFINITY {
+            *alpha = 1.0;
+            return [_mm512_setzero_ps(); NC];
+        }
+        (bm, 0.0)
+    } else if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(
+        _mm512_sub_ps(mx, _mm512_set1_ps(m_old)),
+        _mm512_set1_ps(LAZY_RESCALE_LOG2),
+    ) == 0
+    {
+        (m_old, 1.0)
+    } else {
+        // The row's maximum ran ahead of the reference: rescale to it.
+        let bm = _mm512_reduce_max_ps(mx);
+        (bm, _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - bm))))
+    };
+    let mv = _mm512_set1_ps(m_new);
+    let mut sum = _mm512_setzero_ps();
+    let p = v.map(|vc| {
+        let pc = exp2_512(_mm512_sub_ps(vc, mv));
+        sum = _mm512_add_ps(sum, pc);
+        pc
+    });
+    *l = *l * al + _mm512_reduce_add_ps(sum);
+    *m = m_new;
+    *alpha = al;
+    p
 }
 
 /// Lane mask of the lanes of the 16-key chunk starting at `x0` that are visible in `[a, z)`.

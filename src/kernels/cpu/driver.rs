@@ -1115,7 +1115,26 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 trimmed |= *v < nk;
             }
         }
-        let qk = |kps: &[f32], sb: &mut [f32]| {
+        // A full, wholly visible block with no explicit mask on AVX-512: the scores go
+        // through the softmax in registers (`avx512::qk_softmax`), so `online_rows` is
+        // skipped below.
+        #[cfg(target_arch = "x86_64")]
+        let fused = isa == Isa::Avx512
+            && p.mask.is_none()
+            && !need_causal
+            && nk == BK
+            && matches!(src, KvSrc::Packed(_) | KvSrc::Stream);
+        #[cfg(not(target_arch = "x86_64"))]
+        let fused = false;
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] // `fused` mutates
+        let mut qk = |kps: &[f32], sb: &mut [f32]| {
+            #[cfg(target_arch = "x86_64")]
+            if fused {
+                // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
+                return unsafe {
+                    avx512::qk_softmax(qpk, (rows, n), e, kps, sb, BK, (&mut *m, &mut *lsum, &mut *alpha))
+                };
+            }
             if trimmed {
                 for (st, &k) in snk.iter().enumerate().take(nstrips) {
                     if k > 0 {
@@ -1171,8 +1190,10 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 (vs, NR, ldv)
             }
         };
-        let rows_of = RowsOf { bb, hh, ii, lo, hi };
-        online_rows(p, &rows_of, (sb, BK, n), (j0, nk, need_causal), (m, lsum, alpha));
+        if !fused {
+            let rows_of = RowsOf { bb, hh, ii, lo, hi };
+            online_rows(p, &rows_of, (sb, BK, n), (j0, nk, need_causal), (m, lsum, alpha));
+        }
         let o = o.as_mut_slice();
         if trimmed {
             for (st, &k) in snk.iter().enumerate().take(nstrips) {

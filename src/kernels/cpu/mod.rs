@@ -26,7 +26,9 @@
 //!   scores are kept in the log2 domain (`log2 e` folded into the query scale and the
 //!   mask). On AVX-512, f32 prefill with Ev ≥ 128 takes two wholly visible key blocks
 //!   per step (`avx512::pv_pair`), and the softmax updates a block's rows in one call,
-//!   each row in registers, with lazy rescaling (`avx512::online_rows_lazy`).
+//!   each row in registers, with lazy rescaling (`avx512::online_rows_lazy`); a full,
+//!   wholly visible 64-key block with no explicit mask takes its softmax straight from
+//!   the score tiles' registers (`avx512::qk_softmax`).
 //! * bf16/f16 on a CPU with AMX: both block products on the tile unit (`amx`, f32
 //!   accumulation) over 256-key super-blocks, with inputs split into exact bf16
 //!   components (see `amx` for the error bounds); the softmax stays in f32 on AVX-512,
