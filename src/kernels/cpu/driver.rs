@@ -1126,7 +1126,8 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             && matches!(src, KvSrc::Packed(_) | KvSrc::Stream);
         #[cfg(not(target_arch = "x86_64"))]
         let fused = false;
-        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] // `fused` mutates
+        // `FnMut` only on x86-64, where the fused branch updates `m`, `lsum` and `alpha`.
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut qk = |kps: &[f32], sb: &mut [f32]| {
             #[cfg(target_arch = "x86_64")]
             if fused {
