@@ -324,7 +324,7 @@ fn bench_case(
 }
 
 /// One thread's f32 FMA loop: `n` iterations of 24 independent `vfmadd231ps` on zmm
-/// registers (AVX-512F), 12 on ymm (AVX2+FMA) or 24 `fmla` on NEON q registers.
+/// registers (AVX-512F), 12 on ymm (AVX2+FMA) or 22 `fmla` on NEON q registers.
 /// Returns the FLOPs it did, or `None` where the kernel has no such instruction set.
 #[allow(unused_variables)]
 fn fma_loop(isa: &str, n: usize) -> Option<f64> {
@@ -335,8 +335,17 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
             // touches no memory and clobbers only the registers it names.
             unsafe {
                 std::arch::asm!(
-                    "vxorps xmm30, xmm30, xmm30",
-                    "vxorps xmm31, xmm31, xmm31",
+                    // Zeroed accumulators: stale register contents could be denormal.
+                    "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
+                    "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
+                    "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
+                    "vxorps xmm9, xmm9, xmm9", "vxorps xmm10, xmm10, xmm10", "vxorps xmm11, xmm11, xmm11",
+                    "vxorps xmm12, xmm12, xmm12", "vxorps xmm13, xmm13, xmm13", "vxorps xmm14, xmm14, xmm14",
+                    "vxorps xmm15, xmm15, xmm15", "vpxord xmm16, xmm16, xmm16", "vpxord xmm17, xmm17, xmm17",
+                    "vpxord xmm18, xmm18, xmm18", "vpxord xmm19, xmm19, xmm19", "vpxord xmm20, xmm20, xmm20",
+                    "vpxord xmm21, xmm21, xmm21", "vpxord xmm22, xmm22, xmm22", "vpxord xmm23, xmm23, xmm23",
+                    "vpxord xmm30, xmm30, xmm30",
+                    "vpxord xmm31, xmm31, xmm31",
                     "2:",
                     "vfmadd231ps zmm0, zmm30, zmm31", "vfmadd231ps zmm1, zmm30, zmm31",
                     "vfmadd231ps zmm2, zmm30, zmm31", "vfmadd231ps zmm3, zmm30, zmm31",
@@ -373,6 +382,11 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
             // SAFETY: as above, for AVX2+FMA.
             unsafe {
                 std::arch::asm!(
+                    // Zeroed accumulators: stale register contents could be denormal.
+                    "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
+                    "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
+                    "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
+                    "vxorps xmm9, xmm9, xmm9", "vxorps xmm10, xmm10, xmm10", "vxorps xmm11, xmm11, xmm11",
                     "vxorps xmm14, xmm14, xmm14",
                     "vxorps xmm15, xmm15, xmm15",
                     "2:",
@@ -405,6 +419,13 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
         // the registers it names.
         unsafe {
             std::arch::asm!(
+                // Zeroed accumulators: stale register contents could be denormal.
+                "movi v0.4s, #0", "movi v1.4s, #0", "movi v2.4s, #0", "movi v3.4s, #0",
+                "movi v4.4s, #0", "movi v5.4s, #0", "movi v6.4s, #0", "movi v7.4s, #0",
+                "movi v16.4s, #0", "movi v17.4s, #0", "movi v18.4s, #0", "movi v19.4s, #0",
+                "movi v20.4s, #0", "movi v21.4s, #0", "movi v22.4s, #0", "movi v23.4s, #0",
+                "movi v24.4s, #0", "movi v25.4s, #0", "movi v26.4s, #0", "movi v27.4s, #0",
+                "movi v28.4s, #0", "movi v29.4s, #0",
                 "movi v30.4s, #0",
                 "movi v31.4s, #0",
                 "2:",
