@@ -326,6 +326,11 @@ fn bench_case(
 /// One thread's f32 FMA loop: `n` iterations of 24 independent `vfmadd231ps` on zmm
 /// registers (AVX-512F), 12 on ymm (AVX2+FMA) or 22 `fmla` on NEON q registers.
 /// Returns the FLOPs it did, or `None` where the kernel has no such instruction set.
+///
+/// Each loop first zeroes its accumulators (stale register contents could be
+/// denormal), and the x86 loops end with `vzeroupper`: with dirty upper register state,
+/// the code after them (candle's, built for baseline x86-64) ran its SSE instructions
+/// up to 50× slower.
 #[allow(unused_variables)]
 fn fma_loop(isa: &str, n: usize) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
@@ -335,7 +340,6 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
             // touches no memory and clobbers only the registers it names.
             unsafe {
                 std::arch::asm!(
-                    // Zeroed accumulators: stale register contents could be denormal.
                     "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
                     "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
                     "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
@@ -361,9 +365,6 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
                     "vfmadd231ps zmm22, zmm30, zmm31", "vfmadd231ps zmm23, zmm30, zmm31",
                     "dec {n}",
                     "jnz 2b",
-                    // Clean upper register state: the code after this (candle's, built for
-                    // baseline x86-64) would otherwise run its SSE instructions with
-                    // transition penalties.
                     "vzeroupper",
                     n = inout(reg) n.max(1) => _,
                     out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
@@ -382,7 +383,6 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
             // SAFETY: as above, for AVX2+FMA.
             unsafe {
                 std::arch::asm!(
-                    // Zeroed accumulators: stale register contents could be denormal.
                     "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
                     "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
                     "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
@@ -398,9 +398,6 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
                     "vfmadd231ps ymm10, ymm14, ymm15", "vfmadd231ps ymm11, ymm14, ymm15",
                     "dec {n}",
                     "jnz 2b",
-                    // Clean upper register state: the code after this (candle's, built for
-                    // baseline x86-64) would otherwise run its SSE instructions with
-                    // transition penalties.
                     "vzeroupper",
                     n = inout(reg) n.max(1) => _,
                     out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
@@ -419,7 +416,6 @@ fn fma_loop(isa: &str, n: usize) -> Option<f64> {
         // the registers it names.
         unsafe {
             std::arch::asm!(
-                // Zeroed accumulators: stale register contents could be denormal.
                 "movi v0.4s, #0", "movi v1.4s, #0", "movi v2.4s, #0", "movi v3.4s, #0",
                 "movi v4.4s, #0", "movi v5.4s, #0", "movi v6.4s, #0", "movi v7.4s, #0",
                 "movi v16.4s, #0", "movi v17.4s, #0", "movi v18.4s, #0", "movi v19.4s, #0",
