@@ -28,7 +28,8 @@
 //!   per step (`avx512::pv_pair`), and the softmax updates a block's rows in one call,
 //!   each row in registers, with lazy rescaling (`avx512::online_rows_lazy`); a full,
 //!   wholly visible 64-key block with no explicit mask takes its softmax straight from
-//!   the score tiles' registers (`avx512::qk_softmax`).
+//!   the score tiles' registers (`avx512::qk_softmax`), also as either block of a full
+//!   pair.
 //! * bf16/f16 on a CPU with AMX: both block products on the tile unit (`amx`, f32
 //!   accumulation) over 256-key super-blocks, with inputs split into exact bf16
 //!   components (see `amx` for the error bounds); the softmax stays in f32 on AVX-512,
