@@ -317,6 +317,15 @@ struct Compared {
     rows: Option<Tensor>,
 }
 
+/// Whether `a` and `b` have the same shape, dtype and elements.
+fn identical(a: &Tensor, b: &Tensor) -> Result<bool> {
+    if a.dims() != b.dims() || a.dtype() != b.dtype() {
+        return Ok(false);
+    }
+    let (a, b) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+    Ok(a.ne(&b)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? == 0)
+}
+
 fn out(key: &str, got: Tensor) -> Compared {
     Compared {
         key: key.to_string(),
@@ -425,12 +434,13 @@ impl Ctx<'_> {
             is_causal: self.flag(call, "is_causal", false)?,
             backend: self.opts.backend,
         };
-        let (o, w) = mha.forward_with(
-            &self.input("query")?,
-            &self.input("key")?,
-            &self.input("value")?,
-            &args,
-        )?;
+        // The exporter calls `mha(x, x, x)` for self-attention, and the layer, like
+        // PyTorch's, takes its self-attention path (one input projection) only when
+        // query, key and value are the same tensor: pass it so when they are equal.
+        let q = self.input("query")?;
+        let same_as_q = |t: Tensor| -> Result<Tensor> { Ok(if identical(&q, &t)? { q.clone() } else { t }) };
+        let (k, v) = (same_as_q(self.input("key")?)?, same_as_q(self.input("value")?)?);
+        let (o, w) = mha.forward_with(&q, &k, &v, &args)?;
         let mut outs = vec![out("output.attn_output", o)];
         match (w, self.fx.opt_tensor("output.attn_weights")) {
             (Some(w), _) => outs.push(out("output.attn_weights", w)),

@@ -8,7 +8,7 @@
 //!
 //! The layer is inference-only (`.eval()`): `dropout` is read from the config
 //! and never applied.
-use candle::{Module, Result, Tensor, D};
+use candle::{IndexOp, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
@@ -132,6 +132,9 @@ pub struct MultiheadAttention {
     q: Proj,
     k: Proj,
     v: Proj,
+    /// `in_proj_weight` whole, `(3E, E)`, for self-attention (query, key and value the
+    /// same tensor): one product instead of three.
+    qkv: Option<Proj>,
     out: Proj,
     bias_k: Option<Tensor>,
     bias_v: Option<Tensor>,
@@ -158,8 +161,10 @@ impl MultiheadAttention {
         let bias_part = |i: usize| -> Result<Option<Tensor>> {
             in_bias.as_ref().map(|b| b.narrow(0, i * e, e)).transpose()
         };
+        let mut qkv = None;
         let (wq, wk, wv) = if kdim == e && vdim == e {
             let w = vb.get((3 * e, e), "in_proj_weight")?;
+            qkv = Some(Proj::new(w.clone(), in_bias.clone()));
             (w.narrow(0, 0, e)?, w.narrow(0, e, e)?, w.narrow(0, 2 * e, e)?)
         } else {
             (
@@ -186,6 +191,7 @@ impl MultiheadAttention {
             q,
             k,
             v,
+            qkv,
             out,
             bias_k,
             bias_v,
@@ -309,20 +315,31 @@ impl MultiheadAttention {
         // Projections, in the accumulation dtype.
         let dt = query.dtype();
         let cd = compute_dtype(dt);
-        let q = self.q.forward(&qn)?;
-        let mut k = self.k.forward(&kn)?;
-        let mut v = self.v.forward(&vn)?;
-        if let (Some(bk), Some(bv)) = (&self.bias_k, &self.bias_v) {
-            k = Tensor::cat(&[&k, &bk.to_dtype(cd)?.broadcast_as((n, 1, e))?], 1)?;
-            v = Tensor::cat(&[&v, &bv.to_dtype(cd)?.broadcast_as((n, 1, e))?], 1)?;
-        }
         let heads = |t: &Tensor| -> Result<Tensor> {
             let (n, len, _) = t.dims3()?;
             t.reshape((n, len, h, hd))?.transpose(1, 2)
         };
-        let q = heads(&q)?;
-        let mut k = heads(&k)?;
-        let mut v = heads(&v)?;
+        let fused = match &self.qkv {
+            Some(p) if self.bias_k.is_none() && query.id() == key.id() && key.id() == value.id() => Some(p),
+            _ => None,
+        };
+        let (q, mut k, mut v) = if let Some(qkv) = fused {
+            // Self-attention: one product with the whole `in_proj_weight`. Its output
+            // (N, L, 3E) is viewed as (N, L, 3, H, hd), and q, k and v are strided views
+            // (N, H, L, hd) of it, read in place by the kernel.
+            let y = qkv.forward(&qn)?.reshape((n, l, 3, h, hd))?;
+            let part = |i: usize| y.i((.., .., i))?.transpose(1, 2);
+            (part(0)?, part(1)?, part(2)?)
+        } else {
+            let q = self.q.forward(&qn)?;
+            let mut k = self.k.forward(&kn)?;
+            let mut v = self.v.forward(&vn)?;
+            if let (Some(bk), Some(bv)) = (&self.bias_k, &self.bias_v) {
+                k = Tensor::cat(&[&k, &bk.to_dtype(cd)?.broadcast_as((n, 1, e))?], 1)?;
+                v = Tensor::cat(&[&v, &bv.to_dtype(cd)?.broadcast_as((n, 1, e))?], 1)?;
+            }
+            (heads(&q)?, heads(&k)?, heads(&v)?)
+        };
         if cfg.add_zero_attn {
             k = k.pad_with_zeros(2, 0, 1)?;
             v = v.pad_with_zeros(2, 0, 1)?;

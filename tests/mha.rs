@@ -49,6 +49,30 @@ fn module_forward_is_unmasked_self_attention() -> Result<()> {
     Ok(())
 }
 
+/// Self-attention (query, key and value the same tensor) takes one product with the
+/// whole `in_proj_weight`; it must equal three separate projections, which distinct
+/// tensors of the same values take. Sizes on both sides of the CPU kernel's threshold,
+/// with and without the kernel's SDPA.
+#[test]
+fn self_attention_projection_equals_separate_projections() -> Result<()> {
+    for (e, h, n, l) in [(12, 3, 2, 5), (64, 4, 2, 40)] {
+        let cfg = MultiheadAttentionConfig {
+            batch_first: true,
+            ..MultiheadAttentionConfig::new(e, h)
+        };
+        let mha = MultiheadAttention::new(&cfg, vb(mha_params(e)?))?;
+        let x = randn(&[n, l, e])?;
+        let (k, v) = (x.copy()?, x.copy()?);
+        for a in [args(), MhaArgs::default()] {
+            let (fused, _) = mha.forward_with(&x, &x, &x, &a)?;
+            let (split, _) = mha.forward_with(&x, &k, &v, &a)?;
+            let d = max_diff(&fused, &split)?;
+            assert!(d < 1e-5, "E {e} L {l} need_weights {}: diff {d}", a.need_weights);
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn seq_first_equals_batch_first_and_unbatched() -> Result<()> {
     let p = mha_params(12)?;

@@ -2,7 +2,7 @@
 //! `matmul` reference on shapes that exercise partial row tiles (tiles of 14 rows),
 //! partial 16-output panels (masked stores) and an odd panel count, contraction lengths
 //! that are not multiples of 16 (the W pack's 16×16 transposes) or of 4 (the product's
-//! unrolled steps, also after a full chunk of 256), several parallel row
+//! unrolled steps, also after a full contraction chunk of 768), several parallel row
 //! blocks, with and without bias. Every projection is applied twice: the first product
 //! packs the weight for that call only, the second keeps the pack and uses it.
 use candle_attention::Proj;
@@ -26,6 +26,7 @@ fn projection_matches_candle_matmul() -> Result<()> {
         (300, 96, 129),
         (29, 103, 64),
         (300, 259, 129),
+        (60, 771, 40),
         (1024, 768, 768),
     ];
     for (rows, inp, out) in shapes {

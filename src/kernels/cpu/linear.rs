@@ -14,8 +14,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Rows per parallel work item (about; whole register tiles).
 const ROWS: usize = 144;
-/// Contraction chunk.
-const KC: usize = 256;
+/// Contraction chunk. A panel pair of 768 steps (96 KiB) streams from L2 as fast as a
+/// 256-step one from L1, and whole contractions up to 768 never reload the output tiles:
+/// a 1024×768×2304 product ran 5% faster than with 256 (medians of 6, alternating),
+/// 1024×768×768 the same.
+const KC: usize = 768;
 /// Largest pack buffer (floats) a thread keeps between calls (16 MiB).
 const KEEP_FLOATS: usize = 4 << 20;
 
@@ -254,7 +257,7 @@ fn product(xv: &[f32], wp: &[f32], bv: Option<&[f32]>, (rows, inp, out): (usize,
             if tail > 0 {
                 xt[..tail * inp].copy_from_slice(&xv[(r0 + full) * inp..(r0 + n) * inp]);
             }
-            // Contraction chunks of `KC`: a panel pair (2 × KC × 16 floats) stays in L1.
+            // Contraction chunks of `KC` (see there).
             let mut k0 = 0;
             while k0 < inp {
                 let k1 = (k0 + KC).min(inp);
