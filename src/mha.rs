@@ -119,6 +119,10 @@ impl Default for MhaArgs<'_> {
 /// - `out_proj.weight` `(E, E)`;
 /// - `bias_k`, `bias_v` `(1, 1, E)` when `add_bias_kv`.
 ///
+/// With `in_proj_weight` and no `add_bias_kv`, self-attention (query, key and value the
+/// same tensor, as in [`Module::forward`]) runs the three input projections as one
+/// `(N·L, E) · (3E, E)ᵀ` product, as PyTorch does; other calls run three.
+///
 /// ```no_run
 /// use candle_core::{DType, Device};
 /// use candle_attention::{MultiheadAttention, MultiheadAttentionConfig};
