@@ -929,7 +929,8 @@ struct Visible {
 }
 
 /// How many rows ahead [`block_rows`] prefetches Q (4 and 8 measured alike on
-/// `mha_layer`, whose Q rows are 3 KB apart).
+/// `mha_layer` when its Q rows were 3 KB apart; since its input projections became one
+/// product they are 9 KB apart).
 const Q_AHEAD: usize = 8;
 
 /// Fills `(hh, ii, lo, hi)` (query head, position and visible key range of each of the
