@@ -107,7 +107,9 @@ unsafe fn load16<const T: u8>(p: *const u8, idx: usize) -> __m512 {
     }
 }
 
-/// See [`super::portable::qk`] (Q in strip-packed layout); `rows` must be a multiple of [`MR`].
+/// See [`super::portable::qk`], except that Q is row-major (row stride `e`), not
+/// strip-packed: the 6-row tiles broadcast from six row pointers, so the driver skips
+/// the strip pack on this ISA. `rows` must be a multiple of [`MR`].
 ///
 /// # Safety
 /// AVX-512F must be available.
@@ -128,7 +130,8 @@ pub(super) unsafe fn qk(
 }
 
 /// Scores and softmax of one full, wholly visible 64-key block in one pass (no explicit
-/// mask): each 6-row strip's 6×64 score tile ([`qk_loop_6x4`]) goes through
+/// mask): each 6-row strip's 6×64 score tile ([`rows_loop_6x4`], Q row-major with row
+/// stride `e`) goes through
 /// [`softmax_regs`] while still in registers, and only the probabilities are stored
 /// (`s`, row stride `lds`). Rows `live..rows` are padding: their scores (0) are stored
 /// as they are. `m`, `l` and `alpha` are updated for the first `live` rows, as by
@@ -156,7 +159,7 @@ pub(super) unsafe fn qk_softmax(
         let mut acc = [[_mm512_setzero_ps(); 4]; 6];
         // SAFETY: the strip's Q rows and the block's four K panels are inside `q` and
         // `kp` (asserted above).
-        unsafe { qk_loop_6x4(&mut acc, qp.add(st * MR * e), 4, kpp, e * NR * 4, e) };
+        unsafe { rows_loop_6x4(&mut acc, qp.add(st * MR * e), e * 4, kpp, e * NR * 4, e) };
         for (i, row) in acc.iter().enumerate() {
             let r = st * MR + i;
             let p = if r < live {
@@ -383,8 +386,9 @@ unsafe fn qk_impl(
     }
 }
 
-/// One `(S·MR) × (P·NR)` score tile: `S` consecutive Q strips against `P` consecutive K
-/// panels over `kc` contraction steps (strip and panel strides `strides`).
+/// One `(S·MR) × (P·NR)` score tile: `S` consecutive Q strips (row-major rows of `kc`
+/// elements) against `P` consecutive K panels over `kc` contraction steps (strip and
+/// panel strides `strides`).
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn qk_tile<const S: usize, const P: usize>(
@@ -399,7 +403,7 @@ unsafe fn qk_tile<const S: usize, const P: usize>(
     if S == 1 && P == 4 {
         // SAFETY: with `P == 4`, the first six rows of `acc` are a `[[__m512; 4]; 6]`.
         let a6 = unsafe { &mut *(acc.as_mut_ptr() as *mut [[__m512; 4]; 6]) };
-        qk_loop_6x4(a6, qs, 4, kpp, panel_len * 4, kc);
+        rows_loop_6x4(a6, qs, kc * 4, kpp, panel_len * 4, kc);
     } else {
         qk_contract::<S, P>(&mut acc, qs, kc, (strip_len, panel_len), kpp);
     }
@@ -426,9 +430,9 @@ unsafe fn qk_contract<const S: usize, const P: usize>(
             *k = _mm512_loadu_ps(kpp.add(pi * panel_len + x * NR));
         }
         for si in 0..S {
-            let qx = qs.add(si * strip_len + x * MR);
+            let qx = qs.add(si * strip_len + x);
             for r in 0..MR {
-                let a = _mm512_set1_ps(*qx.add(r));
+                let a = _mm512_set1_ps(*qx.add(r * kc));
                 for pi in 0..P {
                     acc[si * MR + r][pi] = _mm512_fmadd_ps(a, kv[pi], acc[si * MR + r][pi]);
                 }
@@ -589,19 +593,11 @@ macro_rules! tile_loop_6x4 {
 }
 
 tile_loop_6x4!(
-    /// [`qk_tile`]'s 6×64 contraction: `a` a strip-packed Q strip (`la = 4`, 24 bytes
-    /// per step), `b` the first of four K panels (`sb`: the panel stride in bytes).
-    qk_loop_6x4,
-    "24",
-    "96",
-    ["24", "48", "72"]
-);
-
-tile_loop_6x4!(
-    /// [`pv_tile`]'s 6×64 key loop on f32 V: `a` the first of six P rows (`la`: the row
-    /// stride in bytes, 4 bytes per key), `b` the first of four V panels of 16 values
-    /// per key (`sb`: the panel stride in bytes).
-    pv_loop_6x4,
+    /// The 6×64 contraction over six row-major rows (`a` the first, `la` the row stride
+    /// in bytes, 4 bytes per step) and four 16-lane panels (`b` the first, `sb` the panel
+    /// stride in bytes): [`pv_tile`]'s key loop on f32 V (P rows against V panels) and
+    /// [`qk_tile`]'s and [`qk_softmax`]'s (Q rows against K panels).
+    rows_loop_6x4,
     "4",
     "16",
     ["4", "8", "12"]
@@ -1029,7 +1025,7 @@ unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const G: usize>(
         let a6 = unsafe { &mut *(acc.as_mut_ptr() as *mut [[__m512; 4]; 6]) };
         for &(vb, nk) in &src.segs[..G] {
             let v = (vb as *const f32).wrapping_add(v0);
-            pv_loop_6x4(a6, ps, ldp * 4, v, vps * 4, nk);
+            rows_loop_6x4(a6, ps, ldp * 4, v, vps * 4, nk);
             ps = ps.add(nk);
         }
     } else {

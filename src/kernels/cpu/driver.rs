@@ -1018,13 +1018,16 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         ..
     } = sc;
 
-    let rows_mode = matches!(src, KvSrc::Rows);
+    // The register-tiled score kernels take Q strip-packed, except on AVX-512, whose
+    // 6-row tiles broadcast from the row-major rows (`avx512::qk`); the decode kernels
+    // take it row-major.
+    let strip_q = !matches!(src, KvSrc::Rows) && isa != Isa::Avx512;
     let qb = &mut q.as_mut_slice()[..rows * e];
     let qpm = &mut qp.as_mut_slice()[..rows * e];
     let vis = block_rows(p, blk, (hh, ii, lo, hi), |r, off| {
         let qrow = &mut qb[r * e..(r + 1) * e];
         p.q.read_row(off, qrow, p.scale * LOG2_E);
-        if !rows_mode {
+        if strip_q {
             // Strip-packed copy `[r / MR][x][r % MR]` for the register-tiled kernel.
             let strip = &mut qpm[(r / MR) * MR * e..(r / MR + 1) * MR * e];
             for (d, &x) in strip.chunks_exact_mut(MR).zip(qrow.iter()) {
@@ -1039,7 +1042,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         min_hi,
     } = vis;
     qb[n * e..].fill(0.0);
-    if !rows_mode {
+    if strip_q {
         for r in n..rows {
             let strip = &mut qpm[(r / MR) * MR * e..(r / MR + 1) * MR * e];
             for d in strip.chunks_exact_mut(MR) {
@@ -1055,7 +1058,8 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         return;
     }
     let qb = &q.as_slice()[..rows * e];
-    let qpk = &qp.as_slice()[..rows * e];
+    // Q for the register-tiled score kernels (strip-packed or row-major, as above).
+    let qpk = if strip_q { &qp.as_slice()[..rows * e] } else { qb };
     let kend = khi.div_ceil(BK);
     let mut kb = klo / BK;
     while kb < kend {

@@ -13,7 +13,8 @@ use std::mem::MaybeUninit;
 pub(crate) const NR: usize = 16;
 /// Keys per block; also the fixed row stride of the score / probability block.
 pub(crate) const BK: usize = 64;
-/// Rows of a register tile; Q and P blocks are strip-packed as `[rows / MR][k][MR]`.
+/// Rows of a register tile. The portable, AVX2 and NEON score kernels take Q
+/// strip-packed as `[rows / MR][k][MR]`; the AVX-512 ones take it row-major.
 pub(crate) const MR: usize = 6;
 
 /// Borrowed storage of one input tensor.
