@@ -40,6 +40,28 @@ impl Lcg {
         let v: Vec<u8> = (0..n).map(|_| (self.next_f32() < p) as u8).collect();
         Tensor::from_vec(v, shape, &Device::Cpu)
     }
+
+    /// A bool keep mask whose rows (over the last dim) each keep one run of keys, as
+    /// right or left padding gives: all keys, none, a prefix, a suffix or a middle run.
+    pub fn runs(&mut self, shape: &[usize]) -> Result<Tensor> {
+        let s = shape[shape.len() - 1];
+        let rows: usize = shape[..shape.len() - 1].iter().product();
+        let mut v = vec![0u8; rows * s];
+        for row in v.chunks_exact_mut(s) {
+            let (a, z) = match self.below(5) {
+                0 => (0, s),
+                1 => (0, 0),
+                2 => (0, 1 + self.below(s)),
+                3 => (self.below(s), s),
+                _ => {
+                    let a = self.below(s);
+                    (a, a + 1 + self.below(s - a))
+                }
+            };
+            row[a..z].fill(1);
+        }
+        Tensor::from_vec(v, shape, &Device::Cpu)
+    }
 }
 
 pub fn tol(dt: DType) -> f64 {
@@ -224,6 +246,23 @@ pub fn masks(r: &mut Lcg, sh: &Shape) -> Result<Vec<(String, SdpaOptions)>> {
             SdpaOptions::new().with_mask(AttnMask::keep(&m)?),
         ));
     }
+    // Key-padding masks (one run of visible keys per batch and head), which the kernel
+    // applies by loop bounds: per batch, per batch and head, shared by all, and per
+    // batch under the causal bound.
+    for shape in [[sh.b, 1, 1, sh.s], [sh.b, sh.hq, 1, sh.s], [1, 1, 1, sh.s]] {
+        let m = r.runs(&shape)?;
+        out.push((
+            format!("pad{shape:?}"),
+            SdpaOptions::new().with_mask(AttnMask::keep(&m)?),
+        ));
+    }
+    let m = r.runs(&[sh.b, 1, 1, sh.s])?;
+    out.push((
+        "pad+causal".to_string(),
+        SdpaOptions::new()
+            .with_mask(AttnMask::keep(&m)?)
+            .with_causal(true),
+    ));
     let add = (r.normal(&[sh.b, 1, sh.l, sh.s])? * 2.0)?;
     out.push((
         "additive+causal".to_string(),

@@ -1465,10 +1465,28 @@ pub(crate) unsafe fn softmax_row_bf16(
     (hi, lo): (*mut u16, *mut u16),
     l16: &mut [f32; 16],
 ) -> (f32, f32) {
+    // Only the 16-key chunks that hold visible keys are computed; the others get zero
+    // probabilities here. Chunks wholly inside `[a, z)` then run unmasked (a key-padding
+    // run or a causal edge ending on a chunk boundary takes no masks at all).
+    let w = x.len();
+    let (a16, z16) = (a / 16 * 16, z.div_ceil(16) * 16);
+    let (a16, z16) = (a16.min(z16), z16.min(w));
+    let zero = _mm256_setzero_si256();
+    for (from, to) in [(0, a16), (z16, w)] {
+        // Whole chunks (`w`, `a16` and `z16` are multiples of 16).
+        for i in (from..to).step_by(16) {
+            _mm256_storeu_si256(hi.add(i) as *mut __m256i, zero);
+            if !lo.is_null() {
+                _mm256_storeu_si256(lo.add(i) as *mut __m256i, zero);
+            }
+        }
+    }
+    let (xs, ab) = (&x[a16..z16], (a - a16, z - a16));
+    let (hs, ls) = (hi.add(a16), if lo.is_null() { lo } else { lo.add(a16) });
     let (m_new, alpha, sum) = if lo.is_null() {
-        softmax_row_impl::<true>(x, (a, z), c, m_old, hi, lo)
+        softmax_row_impl::<true>(xs, ab, c, m_old, hs, ls)
     } else {
-        softmax_row_impl::<false>(x, (a, z), c, m_old, hi, lo)
+        softmax_row_impl::<false>(xs, ab, c, m_old, hs, ls)
     };
     if m_new != f32::NEG_INFINITY {
         let l = _mm512_loadu_ps(l16.as_ptr());

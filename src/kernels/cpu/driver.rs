@@ -32,6 +32,10 @@ pub(crate) struct Problem<'a> {
     pub v: View<'a>,
     pub mask: Option<MaskView<'a>>,
     pub causal: Option<Causal>,
+    /// Visible keys `[a, z)` of each `(batch, query head)`, indexed `b · hq + h`: a
+    /// key-padding mask applied by loop bounds (see [`MaskView::key_runs`]), with `mask`
+    /// then `None`. Intersected with the causal range.
+    pub keys: Option<Vec<(usize, usize)>>,
     pub scale: f32,
     pub isa: Isa,
     pub b: usize,
@@ -54,8 +58,54 @@ impl Problem<'_> {
         self.hq / self.hkv
     }
 
-    /// Visible key range `[lo, hi)` of query position `i`.
-    fn row_range(&self, i: usize) -> (usize, usize) {
+    /// Whether rows may see less than all keys by loop bounds (causal, window or
+    /// key-padding runs), so blocks not wholly visible to all their rows need per-row
+    /// bounds.
+    fn bounded(&self) -> bool {
+        self.causal.is_some() || self.keys.is_some()
+    }
+
+    /// Visible key range `[lo, hi)` of query position `i` of batch `b`, query head `h`.
+    fn row_range(&self, b: usize, h: usize, i: usize) -> (usize, usize) {
+        let (lo, hi) = self.causal_range(i);
+        match &self.keys {
+            None => (lo, hi),
+            Some(runs) => {
+                let (a, z) = runs[b * self.hq + h];
+                let hi = hi.min(z);
+                (lo.max(a).min(hi), hi)
+            }
+        }
+    }
+
+    /// Calls `f(lo, hi)` with the [`Problem::row_range`] of each row of `blk`, in order
+    /// (one division per head the block spans, not per row).
+    fn block_ranges(&self, blk: &Block, mut f: impl FnMut(usize, usize)) {
+        let (bb, kvh) = (blk.g / self.hkv, blk.g % self.hkv);
+        let (mut r, end) = (blk.r0, blk.r0 + blk.n);
+        while r < end {
+            let (hl, i0) = (r / self.l, r % self.l);
+            let run = (self.l - i0).min(end - r);
+            let keys = self
+                .keys
+                .as_ref()
+                .map(|k| k[bb * self.hq + kvh * self.group() + hl]);
+            for i in i0..i0 + run {
+                let (lo, hi) = self.causal_range(i);
+                match keys {
+                    None => f(lo, hi),
+                    Some((a, z)) => {
+                        let hi = hi.min(z);
+                        f(lo.max(a).min(hi), hi)
+                    }
+                }
+            }
+            r += run;
+        }
+    }
+
+    /// Visible key range of query position `i` under the causal bounds alone.
+    fn causal_range(&self, i: usize) -> (usize, usize) {
         let s = self.s;
         match self.causal {
             None => (0, s),
@@ -383,22 +433,20 @@ fn work<T: OutElem>(
     // Visible-key union of a block's rows.
     let union = |blk: &Block| -> (usize, usize) {
         let (mut lo, mut hi) = (usize::MAX, 0);
-        for r in blk.r0..blk.r0 + blk.n {
-            let (a, z) = p.row_range(r % l);
+        p.block_ranges(blk, |a, z| {
             if a < z {
                 lo = lo.min(a);
                 hi = hi.max(z);
             }
-        }
+        });
         (lo, hi)
     };
     let cost = |blk: &Block, ks0: usize, ks1: usize| -> usize {
         let mut c = 0;
-        for r in blk.r0..blk.r0 + blk.n {
-            let (a, z) = p.row_range(r % l);
+        p.block_ranges(blk, |a, z| {
             let (a, z) = (a.max(ks0), z.min(ks1));
             c += z.saturating_sub(a) + 16;
-        }
+        });
         c
     };
 
@@ -730,7 +778,7 @@ fn process_amx(
             }
         }
         let sb = ab.s.as_mut_ptr();
-        let need_causal = p.causal.is_some() && !(max_lo <= j0 && min_hi >= j0 + nks);
+        let need_causal = p.bounded() && !(max_lo <= j0 && min_hi >= j0 + nks);
         // Key blocks each 16-row tile needs from this super-block: on causal edges, a
         // tile stops at the block holding its last visible key. The scores it skips are
         // outside every row's visible range, so the softmax never reads them and writes
@@ -961,7 +1009,7 @@ fn block_rows(
             p.q.prefetch_row(p.q.row_offset(bb, kvh * p.group() + hl, i), p.e);
         }
         read(r, p.q.row_offset(bb, h, i));
-        let (a, z) = p.row_range(i);
+        let (a, z) = p.row_range(bb, h, i);
         lo[r] = a;
         hi[r] = z;
         if a < z {
@@ -1067,7 +1115,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         let nk = BK.min(s - j0);
         let npanels = nk.div_ceil(NR);
         let sb = sbuf.as_mut_slice();
-        let need_causal = p.causal.is_some() && !(max_lo <= j0 && min_hi >= j0 + nk);
+        let need_causal = p.bounded() && !(max_lo <= j0 && min_hi >= j0 + nk);
         // Two blocks at once on AVX-512 when both are wholly visible and the output rows
         // are long (Ev ≥ 128): one softmax update and one pass over the output per 2·BK
         // keys (`avx512::pv_pair`). Measured, alternating binaries: 2–3% faster on
@@ -1079,7 +1127,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             let pair = isa == Isa::Avx512
                 && evp >= 128
                 && kb + 1 < kend
-                && !(p.causal.is_some() && !(max_lo <= j0 && min_hi >= j0 + nk2));
+                && !(p.bounded() && !(max_lo <= j0 && min_hi >= j0 + nk2));
             if pair {
                 let lds = 2 * BK;
                 let (b0, b1) = (kb * (kbl + vbl), (kb + 1) * (kbl + vbl));

@@ -405,12 +405,16 @@ fn sdpa_impl(
             _ => candle::bail!("sdpa: mask must be an F32 CPU tensor"),
         },
     };
+    // A key-padding mask runs as loop bounds (`MaskView::key_runs`).
+    let keys = mview.as_ref().and_then(|m| m.key_runs(b, hq, s));
+    let mview = if keys.is_some() { None } else { mview };
     let p = driver::Problem {
         q: qv,
         k: kv,
         v: vv,
         mask: mview,
         causal,
+        keys,
         scale,
         isa,
         b,

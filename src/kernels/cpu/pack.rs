@@ -214,6 +214,45 @@ pub(crate) struct MaskView<'a> {
 }
 
 impl MaskView<'_> {
+    /// The mask as key runs, when it only hides keys: it broadcasts over query positions
+    /// and each `(batch, query head)` row is `0` on one run of keys `[a, z)` and `-inf`
+    /// elsewhere (a key-padding mask, as bool masks become). Then the runs, indexed
+    /// `b · hq + h`, `(0, 0)` for a row that hides every key; else `None`. Adding `0`
+    /// leaves a score as it is and `-inf` gives it probability 0, so loop bounds on the
+    /// runs give the same result with no mask reads and no work on hidden keys.
+    pub fn key_runs(&self, b: usize, hq: usize, s: usize) -> Option<Vec<(usize, usize)>> {
+        if self.strides[2] != 0 {
+            return None;
+        }
+        let mut runs: Vec<(usize, usize)> = Vec::with_capacity(b * hq);
+        for bb in 0..b {
+            for h in 0..hq {
+                if h > 0 && self.strides[1] == 0 {
+                    // Broadcast over heads: the same row as head 0.
+                    runs.push(runs[runs.len() - 1]);
+                    continue;
+                }
+                let off = self.start + bb * self.strides[0] + h * self.strides[1];
+                let mut run: Option<(usize, usize)> = None;
+                for j in 0..s {
+                    let x = self.data[off + j * self.strides[3]];
+                    if x == 0.0 {
+                        run = match run {
+                            None => Some((j, j + 1)),
+                            Some((a, z)) if z == j => Some((a, j + 1)),
+                            // A second run of visible keys.
+                            Some(_) => return None,
+                        };
+                    } else if x != f32::NEG_INFINITY {
+                        return None;
+                    }
+                }
+                runs.push(run.unwrap_or((0, 0)));
+            }
+        }
+        Some(runs)
+    }
+
     /// Adds `mul * mask[b, h, i, j0 .. j0 + row.len()]` to `row`.
     #[inline]
     #[allow(clippy::too_many_arguments)]
@@ -551,5 +590,62 @@ impl<T> std::ops::Deref for AVec<T> {
 impl<T> std::ops::DerefMut for AVec<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         &mut self.buf[self.off..self.off + self.len]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NEG: f32 = f32::NEG_INFINITY;
+
+    /// A `(b, h, 1, s)` mask view of `data` with the given head and batch strides (0:
+    /// broadcast).
+    fn view(data: &[f32], h_stride: usize, b_stride: usize) -> MaskView<'_> {
+        MaskView {
+            data,
+            start: 0,
+            strides: [b_stride, h_stride, 0, 1],
+        }
+    }
+
+    #[test]
+    fn key_runs_reads_one_run_per_row() {
+        // Two batches × two heads of 5 keys: a prefix, a middle run, none, all.
+        let d = [
+            0.0, 0.0, NEG, NEG, NEG, //
+            NEG, -0.0, 0.0, NEG, NEG, //
+            NEG, NEG, NEG, NEG, NEG, //
+            0.0, 0.0, 0.0, 0.0, 0.0,
+        ];
+        let runs = view(&d, 5, 10).key_runs(2, 2, 5);
+        assert_eq!(runs, Some(vec![(0, 2), (1, 3), (0, 0), (0, 5)]));
+        // Broadcast over heads: each batch's row serves every head.
+        let runs = view(&d, 0, 5).key_runs(2, 3, 5);
+        assert_eq!(
+            runs,
+            Some(vec![(0, 2); 3].into_iter().chain(vec![(1, 3); 3]).collect())
+        );
+    }
+
+    #[test]
+    fn key_runs_refuses_other_masks() {
+        // Two runs in one row.
+        let d = [0.0, NEG, 0.0, NEG];
+        assert_eq!(view(&d, 0, 0).key_runs(1, 1, 4), None);
+        // A finite additive value.
+        let d = [0.0, -1.0, NEG, NEG];
+        assert_eq!(view(&d, 0, 0).key_runs(1, 1, 4), None);
+        // A NaN.
+        let d = [0.0, f32::NAN, NEG, NEG];
+        assert_eq!(view(&d, 0, 0).key_runs(1, 1, 4), None);
+        // A mask that differs between query positions.
+        let d = [0.0, NEG, NEG, NEG];
+        let per_query = MaskView {
+            data: &d,
+            start: 0,
+            strides: [0, 0, 4, 1],
+        };
+        assert_eq!(per_query.key_runs(1, 1, 4), None);
     }
 }
