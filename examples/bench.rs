@@ -12,7 +12,8 @@
 //! Timing rule: after a warm-up, each implementation is timed `rounds` times (default 5),
 //! alternating between implementations, each timing running whole calls for at least
 //! `min-secs` (default 1 s); the figure is the median time per call. `gflops` counts
-//! `4·B·Hq·D` per visible (query, key) pair (causal cases count only visible pairs), plus
+//! `4·B·Hq·D` per visible (query, key) pair (causal cases count only visible pairs, and
+//! `bert_pad` only the keys its padding mask leaves visible), plus
 //! the projections for `mha_layer`; `gbps` counts bytes of q, k, v read and the output
 //! written. `peak_rss_mb` is the growth of the process's peak RSS during a call: the
 //! larger of the first call (which includes buffers the kernel keeps for later calls,
@@ -68,7 +69,13 @@ fn dtype_name(dt: DType) -> &'static str {
 }
 
 /// Visible (query, key) pairs.
+/// Visible (query, key) pairs per (batch, head), averaged over the batch.
 fn pairs(c: &Case) -> f64 {
+    if c.pad {
+        // The odd batch rows hide the last quarter of the keys (see `keep` below).
+        let hidden = (c.b / 2 * c.l * (c.s / 4)) as f64 / c.b as f64;
+        return (c.l * c.s) as f64 - hidden;
+    }
     if !c.causal {
         return (c.l * c.s) as f64;
     }

@@ -40,7 +40,9 @@
 //!   asking for each K/V row 16 keys ahead (software prefetch).
 //! * Causal / sliding-window visibility through loop bounds: hidden key blocks are
 //!   skipped, only edge blocks are masked, and on edge blocks each 6-row strip only
-//!   computes the key panels it can see. Optional additive mask with broadcasting.
+//!   computes the key panels it can see. Optional additive mask with broadcasting; a
+//!   key-padding mask (one run of visible keys per batch and head, the same for every
+//!   query) becomes loop bounds as well (`pack::MaskView::key_runs`).
 
 use candle::{CpuStorage, DType, Layout, Result, Storage, Tensor};
 
