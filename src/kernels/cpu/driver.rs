@@ -67,15 +67,8 @@ impl Problem<'_> {
 
     /// Visible key range `[lo, hi)` of query position `i` of batch `b`, query head `h`.
     fn row_range(&self, b: usize, h: usize, i: usize) -> (usize, usize) {
-        let (lo, hi) = self.causal_range(i);
-        match &self.keys {
-            None => (lo, hi),
-            Some(runs) => {
-                let (a, z) = runs[b * self.hq + h];
-                let hi = hi.min(z);
-                (lo.max(a).min(hi), hi)
-            }
-        }
+        let run = self.keys.as_ref().map(|k| k[b * self.hq + h]);
+        clip(self.causal_range(i), run)
     }
 
     /// Calls `f(lo, hi)` with the [`Problem::row_range`] of each row of `blk`, in order
@@ -91,14 +84,8 @@ impl Problem<'_> {
                 .as_ref()
                 .map(|k| k[bb * self.hq + kvh * self.group() + hl]);
             for i in i0..i0 + run {
-                let (lo, hi) = self.causal_range(i);
-                match keys {
-                    None => f(lo, hi),
-                    Some((a, z)) => {
-                        let hi = hi.min(z);
-                        f(lo.max(a).min(hi), hi)
-                    }
-                }
+                let (lo, hi) = clip(self.causal_range(i), keys);
+                f(lo, hi)
             }
             r += run;
         }
@@ -119,6 +106,18 @@ impl Problem<'_> {
                 };
                 (lo.min(hi), hi)
             }
+        }
+    }
+}
+
+/// `[lo, hi)` intersected with the key run `[a, z)` when there is one (an empty range
+/// stays empty: `lo ≤ hi`).
+fn clip((lo, hi): (usize, usize), run: Option<(usize, usize)>) -> (usize, usize) {
+    match run {
+        None => (lo, hi),
+        Some((a, z)) => {
+            let hi = hi.min(z);
+            (lo.max(a).min(hi), hi)
         }
     }
 }
