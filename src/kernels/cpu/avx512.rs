@@ -1613,36 +1613,39 @@ unsafe fn exp_pass<const HI_ONLY: bool>(
     (_mm512_add_ps(s0, s1), _mm512_max_ps(tm0, tm1))
 }
 
-/// `dst[x] = f16(src[x])`, rounding to nearest even (as `half::f16::from_f32`).
+/// `dst[x] = f16(src[x] · scale)` (the product in f32), rounding to nearest even (as
+/// `half::f16::from_f32`).
 ///
 /// # Safety
 /// AVX-512F must be available, and `dst` valid for `src.len()` writes.
 #[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn store_f16(dst: *mut half::f16, src: &[f32]) {
+pub(crate) unsafe fn store_f16(dst: *mut half::f16, src: &[f32], scale: f32) {
     let n = src.len();
+    let sv = _mm512_set1_ps(scale);
     let mut x = 0;
     while x + 16 <= n {
-        let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_loadu_ps(
-            src.as_ptr().add(x),
-        ));
+        let v = _mm512_mul_ps(_mm512_loadu_ps(src.as_ptr().add(x)), sv);
+        let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
         _mm256_storeu_si256(dst.add(x) as *mut __m256i, h);
         x += 16;
     }
     for (i, &v) in src.iter().enumerate().skip(x) {
-        dst.add(i).write(half::f16::from_f32(v));
+        dst.add(i).write(half::f16::from_f32(v * scale));
     }
 }
 
-/// `dst[x] = bf16(src[x])`, rounding to nearest even (as `half::bf16::from_f32`).
+/// `dst[x] = bf16(src[x] · scale)` (the product in f32), rounding to nearest even (as
+/// `half::bf16::from_f32`).
 ///
 /// # Safety
 /// AVX-512F and AVX512-BF16 must be available, and `dst` valid for `src.len()` writes.
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub(crate) unsafe fn store_bf16(dst: *mut half::bf16, src: &[f32]) {
+pub(crate) unsafe fn store_bf16(dst: *mut half::bf16, src: &[f32], scale: f32) {
     let n = src.len();
+    let sv = _mm512_set1_ps(scale);
     let mut x = 0;
     while x + 16 <= n {
-        let h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src.as_ptr().add(x)));
+        let h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src.as_ptr().add(x)), sv));
         _mm256_storeu_si256(
             dst.add(x) as *mut __m256i,
             std::mem::transmute::<__m256bh, __m256i>(h),
@@ -1650,7 +1653,7 @@ pub(crate) unsafe fn store_bf16(dst: *mut half::bf16, src: &[f32]) {
         x += 16;
     }
     for (i, &v) in src.iter().enumerate().skip(x) {
-        dst.add(i).write(half::bf16::from_f32(v));
+        dst.add(i).write(half::bf16::from_f32(v * scale));
     }
 }
 

@@ -449,11 +449,7 @@ pub(crate) trait OutElem: Copy + Send + Sync + Default + 'static {
     /// [`OutElem::store`] of `src · scale`; `tmp` (at least `src.len()`) is scratch for
     /// the types that convert.
     fn store_scaled(dst: &mut [MaybeUninit<Self>], src: &[f32], scale: f32, tmp: &mut [f32]) {
-        let tmp = &mut tmp[..src.len()];
-        for (t, &x) in tmp.iter_mut().zip(src) {
-            *t = x * scale;
-        }
-        Self::store(dst, tmp);
+        scaled_then_stored(dst, src, scale, tmp)
     }
 }
 
@@ -501,9 +497,22 @@ impl OutElem for f16 {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: AVX-512F was detected just above; `dst` holds `src.len()` elements.
-            return unsafe { super::avx512::store_f16(dst.as_mut_ptr().cast(), src) };
+            return unsafe { super::avx512::store_f16(dst.as_mut_ptr().cast(), src, 1.0) };
         }
         store_converted(dst, src, |b, s| b.convert_from_f32_slice(s));
+    }
+
+    /// On AVX-512 the scale and the conversion are one pass; the same rounding as
+    /// scaling into `tmp` first.
+    #[inline]
+    fn store_scaled(dst: &mut [MaybeUninit<f16>], src: &[f32], scale: f32, tmp: &mut [f32]) {
+        assert_eq!(dst.len(), src.len());
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F was detected just above; `dst` holds `src.len()` elements.
+            return unsafe { super::avx512::store_f16(dst.as_mut_ptr().cast(), src, scale) };
+        }
+        scaled_then_stored(dst, src, scale, tmp);
     }
 }
 
@@ -516,10 +525,33 @@ impl OutElem for bf16 {
         {
             // SAFETY: both features were detected just above; `dst` holds `src.len()`
             // elements.
-            return unsafe { super::avx512::store_bf16(dst.as_mut_ptr().cast(), src) };
+            return unsafe { super::avx512::store_bf16(dst.as_mut_ptr().cast(), src, 1.0) };
         }
         store_converted(dst, src, |b, s| b.convert_from_f32_slice(s));
     }
+
+    /// As for f16: one pass on AVX-512 (with AVX512-BF16).
+    #[inline]
+    fn store_scaled(dst: &mut [MaybeUninit<bf16>], src: &[f32], scale: f32, tmp: &mut [f32]) {
+        assert_eq!(dst.len(), src.len());
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+        {
+            // SAFETY: both features were detected just above; `dst` holds `src.len()`
+            // elements.
+            return unsafe { super::avx512::store_bf16(dst.as_mut_ptr().cast(), src, scale) };
+        }
+        scaled_then_stored(dst, src, scale, tmp);
+    }
+}
+
+/// The default [`OutElem::store_scaled`]: `src · scale` into `tmp`, then stored.
+fn scaled_then_stored<T: OutElem>(dst: &mut [MaybeUninit<T>], src: &[f32], scale: f32, tmp: &mut [f32]) {
+    let tmp = &mut tmp[..src.len()];
+    for (t, &x) in tmp.iter_mut().zip(src) {
+        *t = x * scale;
+    }
+    T::store(dst, tmp);
 }
 
 /// A zero-initialised f32 buffer whose data starts on a 64-byte boundary.
