@@ -68,7 +68,6 @@ fn dtype_name(dt: DType) -> &'static str {
     dt.as_str()
 }
 
-/// Visible (query, key) pairs.
 /// Visible (query, key) pairs per (batch, head), averaged over the batch.
 fn pairs(c: &Case) -> f64 {
     if c.pad {
