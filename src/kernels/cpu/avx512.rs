@@ -949,6 +949,22 @@ unsafe fn pv_impl<const T: u8, const G: usize>(
             let two = n + 1 < nvp;
             let op = o.add(n * NR);
             let v0 = n * src.vps;
+            if n + 4 <= nvp {
+                // Four panels (64 outputs) per pass: `4·live` accumulators hide the FMA
+                // latency, and each P element is broadcast once per 64 outputs. Measured
+                // against two panels, alternating binaries: `decode_b4` 5.68 → 4.98 ms
+                // (bf16), 10.99 → 10.23 (f32); `decode_gqa` bf16 0.560 → 0.537.
+                match live {
+                    0 => {}
+                    1 => pv_tile::<1, 4, T, G>(src, v0, op, ldo, alpha),
+                    2 => pv_tile::<2, 4, T, G>(src, v0, op, ldo, alpha),
+                    3 => pv_tile::<3, 4, T, G>(src, v0, op, ldo, alpha),
+                    4 => pv_tile::<4, 4, T, G>(src, v0, op, ldo, alpha),
+                    _ => pv_tile::<5, 4, T, G>(src, v0, op, ldo, alpha),
+                }
+                n += 4;
+                continue;
+            }
             match (live, two) {
                 (0, _) => {}
                 (1, true) => pv_tile::<1, 2, T, G>(src, v0, op, ldo, alpha),
