@@ -107,6 +107,39 @@ unsafe fn load16<const T: u8>(p: *const u8, idx: usize) -> __m512 {
     }
 }
 
+/// The 32 bf16 elements at `p` as two f32 vectors, the even elements (0, 2, …, 30) and
+/// the odd ones: one shift and one mask, where widening 16 at a time takes a widening
+/// move and a shift for each half. (Little-endian: element `2i` is the low half of
+/// 32-bit lane `i`.)
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load32_bf16_split(p: *const u16) -> (__m512, __m512) {
+    let v = _mm512_loadu_si512(p as *const __m512i);
+    let odd = _mm512_and_si512(v, _mm512_set1_epi32(0xffff_0000u32 as i32));
+    (
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v)),
+        _mm512_castsi512_ps(odd),
+    )
+}
+
+/// Puts each whole 32-element group of `row` in the split layout of
+/// [`load32_bf16_split`]: its 16 even elements, then its 16 odd ones. A tail of fewer
+/// than 32 stays as it is.
+pub(super) fn split_pairs(row: &mut [f32]) {
+    for g in row.chunks_exact_mut(32) {
+        let t: [f32; 32] = std::array::from_fn(|i| g[(i % 16) * 2 + i / 16]);
+        g.copy_from_slice(&t);
+    }
+}
+
+/// The inverse of [`split_pairs`] on the first `groups` 32-element groups of `row`.
+pub(super) fn merge_pairs(row: &mut [f32], groups: usize) {
+    for g in row.chunks_exact_mut(32).take(groups) {
+        let t: [f32; 32] = std::array::from_fn(|i| g[(i % 2) * 16 + i / 2]);
+        g.copy_from_slice(&t);
+    }
+}
+
 /// See [`super::portable::qk`], except that Q is row-major (row stride `e`), not
 /// strip-packed: the 6-row tiles broadcast from six row pointers, so the driver skips
 /// the strip pack on this ISA. `rows` must be a multiple of [`MR`].
@@ -861,7 +894,9 @@ pub(super) unsafe fn pv_pair(
 }
 
 /// [`pv`] with V rows read straight from the source (f32, bf16 or f16), widened in
-/// registers (decode path).
+/// registers (decode path). For bf16 rows, the output columns of each whole pair of
+/// 16-column panels (panels `2m` and `2m + 1`, `2m + 1 < nvp`) are kept in the split
+/// layout of [`split_pairs`]: the caller applies [`merge_pairs`] once all keys are in.
 ///
 /// # Safety
 /// AVX-512F must be available.
@@ -1067,12 +1102,24 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
     for &(vb, nk) in &src.segs[..G] {
         for j in 0..nk {
             let mut vv = [_mm512_setzero_ps(); N];
-            for (ni, v) in vv.iter_mut().enumerate() {
+            for ni in 0..N {
                 if R < MR {
                     // Decode tiles stream V rows read once: ask for the row `PF_KEYS` ahead.
                     prefetch::<T>(vb, v0 + ni * vps + (j + PF_KEYS) * ldv);
                 }
-                *v = load16::<T>(vb, v0 + ni * vps + j * ldv);
+                if T == BF16 && ni % 2 == 1 {
+                    continue;
+                }
+                if T == BF16 && ni + 1 < N {
+                    // A panel pair of bf16 rows read in place (adjacent panels, `vps ==
+                    // NR`) in one load, split even / odd: the output columns of the pair
+                    // come out in the split layout (see `pv_raw`).
+                    let (ve, vo) = load32_bf16_split((vb as *const u16).add(v0 + ni * vps + j * ldv));
+                    vv[ni] = ve;
+                    vv[ni + 1] = vo;
+                } else {
+                    vv[ni] = load16::<T>(vb, v0 + ni * vps + j * ldv);
+                }
             }
             for (r, row) in acc.iter_mut().enumerate() {
                 let a = _mm512_set1_ps(*ps.add(r * ldp + j));
@@ -1129,7 +1176,8 @@ pub(super) unsafe fn qk_dot(
 }
 
 /// [`qk_dot`] with K rows read straight from the source (f32, bf16 or f16), widened in
-/// registers (decode path). Half-precision keys need `e % 16 == 0`.
+/// registers (decode path). Half-precision keys need `e % 16 == 0`. With bf16 keys, the
+/// Q rows must be in the split layout of [`split_pairs`].
 ///
 /// # Safety
 /// AVX-512F must be available.
@@ -1215,6 +1263,24 @@ unsafe fn qk_dot_strip<const T: u8, const LIVE: usize>((qs, e, k, ldk, nk, s, ld
         let kps = js.map(|jj| jj * ldk);
         let mut acc = [[_mm512_setzero_ps(); 4]; LIVE];
         let mut x = 0;
+        if T == BF16 {
+            // 32 keys' elements per step, split even / odd; Q is in the same split
+            // layout (`split_pairs`).
+            while x + 32 <= e {
+                for kp in kps {
+                    prefetch::<T>(k, kp + PF_KEYS * ldk + x);
+                }
+                let kv = kps.map(|kp| load32_bf16_split((k as *const u16).add(kp + x)));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let a0 = _mm512_loadu_ps(qs.add(r * e + x));
+                    let a1 = _mm512_loadu_ps(qs.add(r * e + x + 16));
+                    for c in 0..4 {
+                        row[c] = _mm512_fmadd_ps(a1, kv[c].1, _mm512_fmadd_ps(a0, kv[c].0, row[c]));
+                    }
+                }
+                x += 32;
+            }
+        }
         while x < full {
             for kp in kps {
                 prefetch::<T>(k, kp + PF_KEYS * ldk + x);
@@ -1312,6 +1378,18 @@ unsafe fn qk_dot_row<const T: u8>(q: *const f32, e: usize, k: *const u8, ldk: us
         let kps: [usize; 16] = std::array::from_fn(|c| (j + c.min(cnt - 1)) * ldk);
         let mut acc = [_mm512_setzero_ps(); 16];
         let mut x = 0;
+        if T == BF16 {
+            // As in `qk_dot_strip`: 32 elements per step, split even / odd.
+            while x + 32 <= e {
+                let (a0, a1) = (_mm512_loadu_ps(q.add(x)), _mm512_loadu_ps(q.add(x + 16)));
+                for c in 0..16 {
+                    prefetch::<T>(k, kps[c] + PF_KEYS * ldk + x);
+                    let (k0, k1) = load32_bf16_split((k as *const u16).add(kps[c] + x));
+                    acc[c] = _mm512_fmadd_ps(a1, k1, _mm512_fmadd_ps(a0, k0, acc[c]));
+                }
+                x += 32;
+            }
+        }
         while x < full {
             let a = _mm512_loadu_ps(q.add(x));
             for c in 0..16 {

@@ -1097,6 +1097,26 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             }
         }
     }
+    // Half-precision decode on AVX-512 reads K/V rows in place (`raw`); bf16 rows are
+    // widened 32 at a time, split into even and odd elements (`avx512::qk_dot_raw`,
+    // `avx512::pv_raw`), so Q takes that layout here and the output leaves it at the end.
+    #[cfg(target_arch = "x86_64")]
+    let raw = matches!(src, KvSrc::Rows)
+        && isa == Isa::Avx512
+        && e.is_multiple_of(16)
+        && ev.is_multiple_of(16)
+        && raw_rows_ok(p);
+    #[cfg(target_arch = "x86_64")]
+    let (split_q, split_o) = (
+        raw && matches!(p.k.data, super::pack::Data::BF16(_)),
+        raw && matches!(p.v.data, super::pack::Data::BF16(_)),
+    );
+    #[cfg(target_arch = "x86_64")]
+    if split_q {
+        for row in qb.chunks_exact_mut(e) {
+            avx512::split_pairs(row);
+        }
+    }
     reset_accumulators(rows, evp, (o, m, lsum, alpha));
 
     let klo = lo_min.max(ks0);
@@ -1240,9 +1260,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         // (V operand, V panel stride, V row stride)
         let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
             #[cfg(target_arch = "x86_64")]
-            KvSrc::Rows
-                if isa == Isa::Avx512 && e.is_multiple_of(16) && ev.is_multiple_of(16) && raw_rows_ok(p) =>
-            {
+            KvSrc::Rows if raw => {
                 let (kd, ldk) = rows_raw(&p.k, bb, kvh, j0, nk, e);
                 let (vd, ldv) = rows_raw(&p.v, bb, kvh, j0, nk, ev);
                 // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
@@ -1313,6 +1331,12 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
         }
         kb += 1;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if split_o {
+        for row in o.as_mut_slice().chunks_exact_mut(evp).take(n) {
+            avx512::merge_pairs(row, nvp / 2);
+        }
     }
 }
 
