@@ -916,6 +916,8 @@ pub(super) unsafe fn pv_raw(
 ) {
     let (ptr, len) = data_ptr(v);
     assert!(rows.is_multiple_of(MR) && BK >= nk && ldo >= nvp * NR && alpha.len() >= rows);
+    // bf16 panel pairs are read as one 32-element load (`pv_contract`).
+    assert!(vps == NR || !matches!(v, Data::BF16(_)));
     assert!(p.len() >= rows * BK);
     assert!(nvp == 0 || nk == 0 || len >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
     assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
