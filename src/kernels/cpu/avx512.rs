@@ -165,9 +165,9 @@ pub(super) unsafe fn qk(
 /// Scores and softmax of one full, wholly visible 64-key block in one pass (no explicit
 /// mask): each 6-row strip's 6×64 score tile ([`rows_loop_6x4`], Q row-major with row
 /// stride `e`) goes through [`softmax_regs`] while still in registers, and only the
-/// probabilities are stored (`s`, row stride `lds`). Rows `live..rows` are padding: their scores (0) are stored
-/// as they are. `m`, `l` and `alpha` are updated for the first `live` rows, as by
-/// [`online_rows_lazy`].
+/// probabilities are stored (`s`, row stride `lds`). Rows `live..rows` are padding:
+/// their scores (0) are stored as they are. `m`, `l` and `alpha` are updated for the
+/// first `live` rows, as by [`online_rows_lazy`].
 ///
 /// # Safety
 /// AVX-512F and AVX512DQ must be available.

@@ -1106,13 +1106,11 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         && e.is_multiple_of(16)
         && ev.is_multiple_of(16)
         && raw_rows_ok(p);
+    // (q, k and v share one dtype: `sdpa_impl` checks it.)
     #[cfg(target_arch = "x86_64")]
-    let (split_q, split_o) = (
-        raw && matches!(p.k.data, super::pack::Data::BF16(_)),
-        raw && matches!(p.v.data, super::pack::Data::BF16(_)),
-    );
+    let split = raw && matches!(p.k.data, super::pack::Data::BF16(_));
     #[cfg(target_arch = "x86_64")]
-    if split_q {
+    if split {
         for row in qb.chunks_exact_mut(e) {
             avx512::split_pairs(row);
         }
@@ -1333,7 +1331,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         kb += 1;
     }
     #[cfg(target_arch = "x86_64")]
-    if split_o {
+    if split {
         for row in o.as_mut_slice().chunks_exact_mut(evp).take(n) {
             avx512::merge_pairs(row, nvp / 2);
         }

@@ -226,6 +226,11 @@ impl MaskView<'_> {
         }
         let mut runs: Vec<(usize, usize)> = Vec::with_capacity(b * hq);
         for bb in 0..b {
+            if bb > 0 && self.strides[0] == 0 {
+                // Broadcast over the batch: the same rows as batch 0.
+                runs.extend_from_within(..hq);
+                continue;
+            }
             for h in 0..hq {
                 if h > 0 && self.strides[1] == 0 {
                     // Broadcast over heads: the same row as head 0.
@@ -658,6 +663,9 @@ mod tests {
             runs,
             Some(vec![(0, 2); 3].into_iter().chain(vec![(1, 3); 3]).collect())
         );
+        // Broadcast over the batch (and heads): batch 0's runs serve every batch.
+        let runs = view(&d[5..], 5, 0).key_runs(3, 2, 5);
+        assert_eq!(runs, Some([(1, 3), (0, 0)].repeat(3)));
     }
 
     #[test]
