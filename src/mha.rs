@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::mask::AttnMask;
 use crate::proj::Proj;
-use crate::sdpa::{compute_dtype, scaled_dot_product_attention, Backend, SdpaOptions};
+use crate::sdpa::{attention, compute_dtype, Backend, SdpaOptions};
 
 fn yes() -> bool {
     true
@@ -356,7 +356,9 @@ impl MultiheadAttention {
             backend: args.backend,
             ..SdpaOptions::default()
         };
-        let att = scaled_dot_product_attention(&q, &k, &v, &opts)?;
+        // The fused kernel writes its output as (N, L, H, hd) memory, so the transpose and
+        // reshape below copy nothing.
+        let att = attention(&q, &k, &v, &opts, true)?;
         // (N, H, L, hd) → (N, L, E) → out_proj.
         let o = att.output.transpose(1, 2)?.reshape((n, l, e))?;
         let o = self.out.forward(&o)?.to_dtype(dt)?;

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::mask::AttnMask;
 use crate::proj::Proj;
-use crate::sdpa::{scaled_dot_product_attention, Backend, SdpaOptions};
+use crate::sdpa::{attention, scaled_dot_product_attention, Backend, SdpaOptions};
 
 fn yes() -> bool {
     true
@@ -230,7 +230,8 @@ impl MultiHeadAttention {
             backend: self.backend,
             ..SdpaOptions::default()
         };
-        let o = scaled_dot_product_attention(&q, &k, &v, &opts)?.output;
+        // Fused: (B, L, H, d_k) memory, so the transpose and reshape copy nothing.
+        let o = attention(&q, &k, &v, &opts, true)?.output;
         let o = o.transpose(1, 2)?.reshape((b, l, d))?;
         let o = match &self.wo {
             Some(wo) => wo.forward(&o)?,

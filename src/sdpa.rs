@@ -262,6 +262,20 @@ pub fn scaled_dot_product_attention(
     v: &Tensor,
     opts: &SdpaOptions,
 ) -> Result<SdpaOutput> {
+    attention(q, k, v, opts, false)
+}
+
+/// [`scaled_dot_product_attention`]; with `heads_inner`, the fused path returns a rank-4
+/// output `(N, Hq, L, Ev)` as a view of `(N, L, Hq, Ev)` memory, so that a caller's
+/// `transpose(1, 2)` and merge of the heads copies nothing (other paths return it
+/// contiguous, as always).
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &SdpaOptions,
+    heads_inner: bool,
+) -> Result<SdpaOutput> {
     let dims = check_dims(q, k, v, opts.enable_gqa)?;
     let mut mask = opts.mask.clone().unwrap_or_default();
     if opts.is_causal {
@@ -301,7 +315,9 @@ pub fn scaled_dot_product_attention(
             let full = add_masks(explicit, causal)?;
             reference(q, k, v, full.as_ref(), &dims, scale, opts)
         }
-        Path::Fused => crate::kernels::dispatch_fused(q, k, v, explicit.as_ref(), &mask, &dims, scale),
+        Path::Fused => {
+            crate::kernels::dispatch_fused(q, k, v, explicit.as_ref(), &mask, &dims, scale, heads_inner)
+        }
     }
 }
 

@@ -24,7 +24,7 @@ use crate::cache::KvCache;
 use crate::mask::{AttnMask, CausalAlign};
 use crate::proj::Proj;
 use crate::rope::RotaryEmbedding;
-use crate::sdpa::{compute_dtype, scaled_dot_product_attention, Backend, SdpaOptions};
+use crate::sdpa::{attention, compute_dtype, Backend, SdpaOptions};
 
 #[derive(Clone, Debug)]
 enum Qkv {
@@ -433,7 +433,8 @@ impl DecoderAttention {
             sinks: self.sinks.clone(),
             ..SdpaOptions::default()
         };
-        let o = scaled_dot_product_attention(q, k, v, &opts)?.output;
+        // Fused: (B, L, H, D) memory, so the transpose and reshape below copy nothing.
+        let o = attention(q, k, v, &opts, true)?.output;
         let o = o
             .transpose(1, 2)?
             .reshape((b, l, self.cfg.num_heads * self.cfg.head_dim))?;

@@ -16,7 +16,9 @@ pub(crate) fn fused_supports(device: &Device, dtype: DType, _dims: &Dims) -> boo
 
 /// Runs the fused CPU kernel on `(…, Hq, L, E)` inputs; `explicit` is the explicit part of
 /// the mask as an additive f32 tensor aligned to the score rank, `mask` supplies the causal
-/// rule, applied by loop bounds.
+/// rule, applied by loop bounds. With `heads_inner` and rank-4 inputs, the output is a view
+/// of `(N, L, Hq, Ev)` memory (see `cpu::sdpa_heads_inner`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn dispatch_fused(
     q: &Tensor,
     k: &Tensor,
@@ -25,6 +27,7 @@ pub(crate) fn dispatch_fused(
     mask: &AttnMask,
     dims: &Dims,
     scale: f64,
+    heads_inner: bool,
 ) -> Result<SdpaOutput> {
     let (n, hq, hkv, l, s, e, ev) = (dims.n, dims.hq, dims.hkv, dims.l, dims.s, dims.e, dims.ev);
     // Views with the batch dims collapsed; the kernel reads any strides.
@@ -39,9 +42,15 @@ pub(crate) fn dispatch_fused(
         offset: r.offset,
         window: r.window,
     });
-    let out = cpu::sdpa(&q4, &k4, &v4, m4.as_ref(), causal, scale as f32)?;
+    let shape = dims.out_shape(ev);
+    let output = if heads_inner && shape == [n, hq, l, ev] {
+        // Already the output shape: a `reshape` would copy the view.
+        cpu::sdpa_heads_inner(&q4, &k4, &v4, m4.as_ref(), causal, scale as f32)?
+    } else {
+        cpu::sdpa(&q4, &k4, &v4, m4.as_ref(), causal, scale as f32)?.reshape(shape)?
+    };
     Ok(SdpaOutput {
-        output: out.reshape(dims.out_shape(ev))?,
+        output,
         weights: None,
     })
 }

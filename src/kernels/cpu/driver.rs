@@ -47,6 +47,8 @@ pub(crate) struct Problem<'a> {
     pub ev: usize,
     /// Bytes of K/V pack kept alive at once ([`PACK_BUDGET_BYTES`]; tests shrink it).
     pub pack_budget: usize,
+    /// Write the output as `(B, L, Hq, Ev)` row-major instead of `(B, Hq, L, Ev)`.
+    pub heads_inner: bool,
     /// Run the block products on AMX tiles with this component plan (bf16/f16 inputs on
     /// a machine with AMX); `None` runs them on `isa`.
     #[cfg(target_arch = "x86_64")]
@@ -367,7 +369,56 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Computes the attention output, `(B, Hq, L, Ev)` row-major.
+/// The output rows of one block: row `r` of block `blk` is query position `i` of query
+/// head `h` (see [`block_rows`]), stored at row `(b · Hq + h) · L + i` of the output, or
+/// `(b · L + i) · Hq + h` with [`Problem::heads_inner`].
+struct BlockOut<T> {
+    base: *mut MaybeUninit<T>,
+    /// Elements behind `base`.
+    len: usize,
+    ev: usize,
+    /// (batch, first query head of the group, first row, rows)
+    at: (usize, usize, usize, usize),
+    /// (Hq, L, heads_inner)
+    shape: (usize, usize, bool),
+}
+
+// SAFETY: a `BlockOut` is a unique handle on its block's output rows: the rows of
+// different blocks are disjoint (`(b, h, i)` ↦ row is one-to-one in both layouts and each
+// `(b, h, i)` belongs to one block), and each handle sits in its own slot, taken once.
+unsafe impl<T: Send> Send for BlockOut<T> {}
+
+impl<T> BlockOut<T> {
+    /// The `ev` elements of the block's row `r` (`r < n`).
+    fn row(&mut self, r: usize) -> &mut [MaybeUninit<T>] {
+        let (bb, h0, r0, n) = self.at;
+        let (hq, l, heads_inner) = self.shape;
+        assert!(r < n, "row {r} outside a block of {n} rows");
+        let (h, i) = (h0 + (r0 + r) / l, (r0 + r) % l);
+        let row = if heads_inner {
+            (bb * l + i) * hq + h
+        } else {
+            (bb * hq + h) * l + i
+        };
+        assert!((row + 1) * self.ev <= self.len, "output row {row} out of bounds");
+        // SAFETY: in bounds (asserted), and the row belongs to this block only (see the
+        // `Send` impl); `&mut self` keeps one borrow of it at a time.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(row * self.ev), self.ev) }
+    }
+
+    /// Writes zeros to all of the block's rows.
+    fn zero(&mut self)
+    where
+        T: OutElem,
+    {
+        for r in 0..self.at.3 {
+            self.row(r).fill(MaybeUninit::new(T::default()));
+        }
+    }
+}
+
+/// Computes the attention output, `(B, Hq, L, Ev)` row-major, or `(B, L, Hq, Ev)` with
+/// [`Problem::heads_inner`].
 pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
     let (b, hkv, l, s, ev) = (p.b, p.hkv, p.l, p.s, p.ev);
     let g_sz = p.group();
@@ -391,41 +442,45 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
         .flat_map(|g| gblocks.iter().map(move |&(r0, n)| Block { g, r0, n }))
         .collect();
 
-    // Output slots in block order (blocks tile the output contiguously), uninitialised:
-    // each is written once, by `finish` or `merge` when its block's work is done, or with
-    // zeros at the end if no work item had a visible key for it.
+    // One output slot per block, uninitialised: each is written once, by `finish` or
+    // `merge` when its block's work is done, or with zeros at the end if no work item
+    // had a visible key for it.
     let mut out: Vec<T> = Vec::with_capacity(total_rows * ev);
-    let mut slots: Vec<Mutex<Option<&mut [MaybeUninit<T>]>>> = Vec::with_capacity(blocks.len());
-    let mut rest = &mut out.spare_capacity_mut()[..total_rows * ev];
-    for blk in &blocks {
-        let (head, tail) = std::mem::take(&mut rest).split_at_mut(blk.n * ev);
-        slots.push(Mutex::new(Some(head)));
-        rest = tail;
-    }
-    assert!(rest.is_empty(), "row blocks must tile the output");
+    let spare = &mut out.spare_capacity_mut()[..total_rows * ev];
+    let (base, len) = (spare.as_mut_ptr(), spare.len());
+    let covered: usize = blocks.iter().map(|blk| blk.n).sum();
+    assert_eq!(covered, total_rows, "row blocks must cover the output");
+    let slots: Vec<Mutex<Option<BlockOut<T>>>> = blocks
+        .iter()
+        .map(|blk| {
+            let (bb, kvh) = (blk.g / hkv, blk.g % hkv);
+            Mutex::new(Some(BlockOut {
+                base,
+                len,
+                ev,
+                at: (bb, kvh * g_sz, blk.r0, blk.n),
+                shape: (p.hq, l, p.heads_inner),
+            }))
+        })
+        .collect();
 
     work(p, &blocks, gblocks.len(), &slots);
     for slot in &slots {
-        if let Some(dst) = lock(slot).take() {
-            dst.fill(MaybeUninit::new(T::default()));
+        if let Some(mut dst) = lock(slot).take() {
+            dst.zero();
         }
     }
     drop(slots);
-    // SAFETY: the slots tile the first `total_rows · ev` elements of `out` (asserted
-    // above), and every slot was taken exactly once and fully written: by `finish` or
-    // `merge`, or with zeros just above.
+    // SAFETY: the blocks' rows are distinct and cover all `total_rows` rows (asserted
+    // above), and every slot was taken exactly once and all its rows written: by
+    // `finish` or `merge`, or with zeros just above.
     unsafe { out.set_len(total_rows * ev) };
     out
 }
 
 /// The work of [`run`]: the attention of every row block (`nbg` per group), each written
 /// to its output slot once its work is done.
-fn work<T: OutElem>(
-    p: &Problem,
-    blocks: &[Block],
-    nbg: usize,
-    slots: &[Mutex<Option<&mut [MaybeUninit<T>]>>],
-) {
+fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Option<BlockOut<T>>>]) {
     let (b, hkv, l, s, e, ev) = (p.b, p.hkv, p.l, p.s, p.e, p.ev);
     let ngroups = b * hkv;
     let rows_per_group = p.group() * l;
@@ -491,8 +546,8 @@ fn work<T: OutElem>(
                 let it = items[i];
                 let blk = blocks[it.blk];
                 run_block(p, &blk, it.ks0, it.ks1, src, sc);
-                if let Some(dst) = lock(&slots[it.blk]).take() {
-                    finish(p, blk.n, sc, dst);
+                if let Some(mut dst) = lock(&slots[it.blk]).take() {
+                    finish(p, blk.n, sc, &mut dst);
                 }
             });
         } else {
@@ -514,8 +569,8 @@ fn work<T: OutElem>(
                 .zip(slots.par_iter())
                 .zip(blocks.par_iter())
                 .for_each(|((parts, slot), blk)| {
-                    if let Some(dst) = lock(slot).take() {
-                        merge::<T>(blk.n, ev, parts, dst);
+                    if let Some(mut dst) = lock(slot).take() {
+                        merge::<T>(blk.n, ev, parts, &mut dst);
                     }
                 });
         }
@@ -559,7 +614,7 @@ fn work<T: OutElem>(
 /// `(blocks, output slots, row blocks per group, cost of a block's key range)`.
 type Blocks<'s, 'o, T> = (
     &'s [Block],
-    &'s [Mutex<Option<&'o mut [MaybeUninit<T>]>>],
+    &'s [Mutex<Option<BlockOut<T>>>],
     usize,
     &'s (dyn Fn(&Block, usize, usize) -> usize + Sync),
 );
@@ -621,8 +676,8 @@ fn prefill<T: OutElem, E: Cached + Send + Sync, S>(
                 src(&packed[gl * group_len..(gl + 1) * group_len]),
                 sc,
             );
-            if let Some(dst) = lock(&slots[it.blk]).take() {
-                finish(p, blk.n, sc, dst);
+            if let Some(mut dst) = lock(&slots[it.blk]).take() {
+                finish(p, blk.n, sc, &mut dst);
             }
         });
         g0 += gn;
@@ -922,7 +977,7 @@ impl Partial {
 }
 
 /// Log-sum-exp merge of split-K partials into the output rows.
-fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut [MaybeUninit<T>]) {
+fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut BlockOut<T>) {
     let mut row = vec![0f32; ev];
     for r in 0..n {
         let mx = parts.iter().map(|pt| pt.m[r]).fold(f32::NEG_INFINITY, f32::max);
@@ -944,24 +999,19 @@ fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut [MaybeUni
         for o in row.iter_mut() {
             *o *= inv;
         }
-        T::store(&mut dst[r * ev..(r + 1) * ev], &row);
+        T::store(dst.row(r), &row);
     }
 }
 
-/// Normalises the block accumulators in `sc` and stores them to `dst` (`n × Ev`).
-fn finish<T: OutElem>(p: &Problem, n: usize, sc: &mut Scratch, dst: &mut [MaybeUninit<T>]) {
+/// Normalises the block accumulators in `sc` and stores them to `dst` (`n` rows of Ev).
+fn finish<T: OutElem>(p: &Problem, n: usize, sc: &mut Scratch, dst: &mut BlockOut<T>) {
     let ev = p.ev;
     let evp = ev.div_ceil(NR) * NR;
     let o = sc.o.as_slice();
     for r in 0..n {
         let l = sc.l[r];
         let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-        T::store_scaled(
-            &mut dst[r * ev..(r + 1) * ev],
-            &o[r * evp..r * evp + ev],
-            inv,
-            &mut sc.row,
-        );
+        T::store_scaled(dst.row(r), &o[r * evp..r * evp + ev], inv, &mut sc.row);
     }
 }
 

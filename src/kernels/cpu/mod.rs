@@ -263,6 +263,33 @@ pub fn sdpa(
     sdpa_with_isa(q, k, v, mask, causal, scale, Isa::selected())
 }
 
+/// [`sdpa`] returning `(B, Hq, L, Ev)` as a view of `(B, L, Hq, Ev)` row-major memory
+/// (the layout of PyTorch's CPU flash attention output), so that the usual
+/// `transpose(1, 2)` to `(B, L, Hq, Ev)` afterwards is contiguous and a following
+/// `reshape` to `(B, L, Hq · Ev)` copies nothing.
+pub(crate) fn sdpa_heads_inner(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: Option<Causal>,
+    scale: f32,
+) -> Result<Tensor> {
+    let layout = Layout4 {
+        heads_inner: true,
+        pack_budget: driver::PACK_BUDGET_BYTES,
+    };
+    sdpa_impl(q, k, v, mask, causal, scale, Isa::selected(), layout)
+}
+
+/// The output layout and the pack budget of one [`sdpa_impl`] call.
+#[derive(Clone, Copy)]
+struct Layout4 {
+    /// `(B, L, Hq, Ev)` memory behind the `(B, Hq, L, Ev)` result.
+    heads_inner: bool,
+    pack_budget: usize,
+}
+
 fn dims4(t: &Tensor, name: &str) -> Result<[usize; 4]> {
     match t.dims() {
         &[a, b, c, d] => Ok([a, b, c, d]),
@@ -309,7 +336,11 @@ pub fn sdpa_with_isa(
     scale: f32,
     isa: Isa,
 ) -> Result<Tensor> {
-    sdpa_impl(q, k, v, mask, causal, scale, isa, driver::PACK_BUDGET_BYTES)
+    let layout = Layout4 {
+        heads_inner: false,
+        pack_budget: driver::PACK_BUDGET_BYTES,
+    };
+    sdpa_impl(q, k, v, mask, causal, scale, isa, layout)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -321,7 +352,7 @@ fn sdpa_impl(
     causal: Option<Causal>,
     scale: f32,
     isa: Isa,
-    pack_budget: usize,
+    layout: Layout4,
 ) -> Result<Tensor> {
     if !isa.is_supported() {
         candle::bail!(
@@ -426,15 +457,26 @@ fn sdpa_impl(
         s,
         e,
         ev,
-        pack_budget,
+        pack_budget: layout.pack_budget,
+        heads_inner: layout.heads_inner,
         #[cfg(target_arch = "x86_64")]
         amx: amx_plan(dtype, isa),
     };
     let dev = q.device();
-    match dtype {
-        DType::F32 => Tensor::from_vec(driver::run::<f32>(&p), out_shape, dev),
-        DType::F16 => Tensor::from_vec(driver::run::<half::f16>(&p), out_shape, dev),
-        _ => Tensor::from_vec(driver::run::<half::bf16>(&p), out_shape, dev),
+    let mem_shape = if layout.heads_inner {
+        (b, l, hq, ev)
+    } else {
+        out_shape
+    };
+    let out = match dtype {
+        DType::F32 => Tensor::from_vec(driver::run::<f32>(&p), mem_shape, dev)?,
+        DType::F16 => Tensor::from_vec(driver::run::<half::f16>(&p), mem_shape, dev)?,
+        _ => Tensor::from_vec(driver::run::<half::bf16>(&p), mem_shape, dev)?,
+    };
+    if layout.heads_inner {
+        out.transpose(1, 2)
+    } else {
+        Ok(out)
     }
 }
 
@@ -483,11 +525,79 @@ mod tests {
             offset: 50,
             window: Some(70),
         });
+        let budget = |pack_budget| Layout4 {
+            heads_inner: false,
+            pack_budget,
+        };
         for isa in [Isa::Portable, Isa::detect()] {
-            let a = sdpa_impl(&q, &k, &v, None, c, 0.2, isa, driver::PACK_BUDGET_BYTES)?;
-            let b = sdpa_impl(&q, &k, &v, None, c, 0.2, isa, 1)?;
+            let a = sdpa_impl(&q, &k, &v, None, c, 0.2, isa, budget(driver::PACK_BUDGET_BYTES))?;
+            let b = sdpa_impl(&q, &k, &v, None, c, 0.2, isa, budget(1))?;
             let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
             assert_eq!(d, 0.0);
+        }
+        Ok(())
+    }
+
+    /// The `(B, L, Hq, Ev)` output layout holds the same values as the default one, on
+    /// the prefill, decode and split-K paths, with GQA, a mask, fully masked rows
+    /// (written as zeros), every dtype and every instruction set.
+    #[test]
+    fn heads_inner_layout_holds_the_same_values() -> Result<()> {
+        let dev = Device::Cpu;
+        // (b, hq, hkv, l, s, e, ev)
+        let shapes = [
+            (2, 6, 3, 100, 150, 32, 24),
+            (1, 8, 2, 1, 2048, 64, 64),
+            (3, 4, 4, 5, 77, 16, 40),
+            (2, 12, 12, 128, 128, 64, 64),
+        ];
+        let isas: Vec<Isa> = [Isa::Portable, Isa::Avx2Fma, Isa::Avx512, Isa::Neon]
+            .into_iter()
+            .filter(|i| i.is_supported())
+            .collect();
+        for (b, hq, hkv, l, s, e, ev) in shapes {
+            let q = Tensor::randn(0f32, 1.0, (b, hq, l, e), &dev)?;
+            let k = Tensor::randn(0f32, 1.0, (b, hkv, s, e), &dev)?;
+            let v = Tensor::randn(0f32, 1.0, (b, hkv, s, ev), &dev)?;
+            // Batch 0 sees no key at all (rows of zeros); the others see a prefix.
+            let keep: Vec<f32> = (0..b * s)
+                .map(|x| {
+                    if x / s == 0 || x % s >= s / 3 {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let mask = Tensor::from_vec(keep, (b, 1, 1, s), &dev)?;
+            for dt in [DType::F32, DType::F16, DType::BF16] {
+                let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+                for &isa in &isas {
+                    for m in [None, Some(&mask)] {
+                        let layout = |heads_inner| Layout4 {
+                            heads_inner,
+                            pack_budget: driver::PACK_BUDGET_BYTES,
+                        };
+                        let a = sdpa_impl(&q, &k, &v, m, None, 0.3, isa, layout(false))?;
+                        let t = sdpa_impl(&q, &k, &v, m, None, 0.3, isa, layout(true))?;
+                        assert_eq!(t.dims(), a.dims());
+                        // The transposed view is contiguous: its memory is (B, L, Hq, Ev).
+                        assert!(t.transpose(1, 2)?.is_contiguous());
+                        let d = (a.to_dtype(DType::F32)? - t.to_dtype(DType::F32)?)?
+                            .abs()?
+                            .flatten_all()?
+                            .max(0)?
+                            .to_scalar::<f32>()?;
+                        assert_eq!(
+                            d,
+                            0.0,
+                            "{:?} {dt:?} {isa:?} mask {}",
+                            (b, hq, hkv, l, s),
+                            m.is_some()
+                        );
+                    }
+                }
+            }
         }
         Ok(())
     }
