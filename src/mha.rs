@@ -327,6 +327,12 @@ impl MultiheadAttention {
             Some(p) if self.bias_k.is_none() && query.id() == key.id() && key.id() == value.id() => Some(p),
             _ => None,
         };
+        if let Some(qkv) = fused {
+            if self.per_batch_applies(qkv, &qn, &mask, args) {
+                let o = self.per_batch(qkv, &qn, args)?.to_dtype(dt)?;
+                return Ok((self.to_query_layout(o, unbatched)?, None));
+            }
+        }
         let (q, mut k, mut v) = if let Some(qkv) = fused {
             // Self-attention: one product with the whole `in_proj_weight`. Its output
             // (N, L, 3E) is viewed as (N, L, 3, H, hd), and q, k and v are strided views
@@ -362,13 +368,7 @@ impl MultiheadAttention {
         // (N, H, L, hd) → (N, L, E) → out_proj.
         let o = att.output.transpose(1, 2)?.reshape((n, l, e))?;
         let o = self.out.forward(&o)?.to_dtype(dt)?;
-        let o = if unbatched {
-            o.squeeze(0)?
-        } else if cfg.batch_first {
-            o
-        } else {
-            o.transpose(0, 1)?.contiguous()?
-        };
+        let o = self.to_query_layout(o, unbatched)?;
         let w = match att.weights {
             None => None,
             Some(w) => {
@@ -384,6 +384,70 @@ impl MultiheadAttention {
     }
 }
 
+impl MultiheadAttention {
+    /// `(N, L, E)` → the query's layout: `(L, E)` unbatched, `(N, L, E)` batch-first,
+    /// else `(L, N, E)`.
+    fn to_query_layout(&self, o: Tensor, unbatched: bool) -> Result<Tensor> {
+        if unbatched {
+            o.squeeze(0)
+        } else if self.cfg.batch_first {
+            Ok(o)
+        } else {
+            o.transpose(0, 1)?.contiguous()
+        }
+    }
+
+    /// Whether [`MultiheadAttention::per_batch`] takes this self-attention call: no mask
+    /// and no weights, both projections on this crate's CPU kernel, and enough batch rows
+    /// of a size that suits it (several per thread, evenly split or at least four per
+    /// thread; `L ≥ 64`, so that each weight pass serves enough rows, and q, k, v of one
+    /// batch row within 4 MiB, so that they fit a core's L2).
+    fn per_batch_applies(&self, qkv: &Proj, qn: &Tensor, mask: &AttnMask, args: &MhaArgs) -> bool {
+        let Ok((n, l, e)) = qn.dims3() else {
+            return false;
+        };
+        let nt = crate::kernels::cpu::par::threads();
+        mask.is_empty()
+            && !args.need_weights
+            && !self.cfg.add_zero_attn
+            && args.backend != Backend::Reference
+            && nt > 1
+            && n >= 2 * nt
+            && (n % nt == 0 || n >= 4 * nt)
+            && l >= 64
+            && l * 3 * e <= 1 << 20
+            && qkv.on_kernel(qn)
+            && self.out.on_kernel(qn)
+    }
+
+    /// Self-attention one batch row at a time: in parallel over the rows, each row's input
+    /// projection, attention and output projection run on one thread
+    /// (`par::inline`), so its q, k, v and the attention output are still in that core's
+    /// L2 when the next step reads them. `qn`: `(N, L, E)`; returns `(N, L, E)`.
+    fn per_batch(&self, qkv: &Proj, qn: &Tensor, args: &MhaArgs) -> Result<Tensor> {
+        use rayon::prelude::*;
+        let (n, l, e) = qn.dims3()?;
+        let (h, hd) = (self.cfg.num_heads, self.head_dim);
+        let opts = SdpaOptions {
+            is_causal: args.is_causal,
+            backend: args.backend,
+            ..SdpaOptions::default()
+        };
+        let rows: Vec<Tensor> = (0..n)
+            .into_par_iter()
+            .map(|b| {
+                crate::kernels::cpu::par::inline(|| {
+                    let y = qkv.forward(&qn.narrow(0, b, 1)?)?.reshape((1, l, 3, h, hd))?;
+                    let part = |i: usize| y.i((.., .., i))?.transpose(1, 2);
+                    let att = attention(&part(0)?, &part(1)?, &part(2)?, &opts, true)?;
+                    self.out.forward(&att.output.transpose(1, 2)?.reshape((1, l, e))?)
+                })
+            })
+            .collect::<Result<_>>()?;
+        Tensor::cat(&rows, 0)
+    }
+}
+
 impl Module for MultiheadAttention {
     /// Self-attention without masks: `mha(x, x, x, need_weights=False)[0]`.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
@@ -392,5 +456,86 @@ impl Module for MultiheadAttention {
             ..MhaArgs::default()
         };
         Ok(self.forward_with(xs, xs, xs, &args)?.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle::{DType, Device};
+    use std::collections::HashMap;
+
+    fn layer(e: usize, h: usize, batch_first: bool) -> Result<MultiheadAttention> {
+        let dev = Device::Cpu;
+        let map: HashMap<String, Tensor> = [
+            (
+                "in_proj_weight",
+                (Tensor::randn(0f32, 1., (3 * e, e), &dev)? * 0.2)?,
+            ),
+            ("in_proj_bias", Tensor::randn(0f32, 1., 3 * e, &dev)?),
+            ("out_proj.weight", (Tensor::randn(0f32, 1., (e, e), &dev)? * 0.2)?),
+            ("out_proj.bias", Tensor::randn(0f32, 1., e, &dev)?),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let cfg = MultiheadAttentionConfig {
+            batch_first,
+            ..MultiheadAttentionConfig::new(e, h)
+        };
+        MultiheadAttention::new(&cfg, VarBuilder::from_tensors(map, DType::F32, &dev))
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    /// Self-attention one batch row per thread (`per_batch`) equals the whole-batch path
+    /// (which distinct key and value tensors take) and the reference SDPA, batch-first or
+    /// not, causal or not; on an AVX-512 machine with several threads the path is taken.
+    #[test]
+    fn per_batch_rows_equal_the_whole_batch() -> Result<()> {
+        let (e, h, n, l) = (64, 4, 6, 70);
+        for batch_first in [true, false] {
+            let mha = layer(e, h, batch_first)?;
+            let shape = if batch_first { (n, l, e) } else { (l, n, e) };
+            let x = Tensor::randn(0f32, 1., shape, &Device::Cpu)?;
+            let (k, v) = (x.copy()?, x.copy()?);
+            for is_causal in [false, true] {
+                let args = MhaArgs {
+                    need_weights: false,
+                    is_causal,
+                    ..MhaArgs::default()
+                };
+                let qn = if batch_first {
+                    x.clone()
+                } else {
+                    x.transpose(0, 1)?
+                };
+                let qkv = mha.qkv.as_ref().expect("self-attention has one input projection");
+                let kernel =
+                    crate::kernels::cpu::isa() == "avx512" && crate::kernels::cpu::par::threads() > 1;
+                // (`is_causal` travels in the args, not in the mask, as in `forward_with`.)
+                assert_eq!(mha.per_batch_applies(qkv, &qn, &AttnMask::none(), &args), kernel);
+                let (rows, _) = mha.forward_with(&x, &x, &x, &args)?;
+                let (whole, _) = mha.forward_with(&x, &k, &v, &args)?;
+                let reference = MhaArgs {
+                    backend: Backend::Reference,
+                    ..args
+                };
+                let (oracle, _) = mha.forward_with(&x, &k, &v, &reference)?;
+                assert_eq!(rows.dims(), x.dims());
+                // The same kernels on the same rows (bit-identical here), and the reference
+                // SDPA within the f32 tolerance.
+                for (other, what, tol) in [(&whole, "whole batch", 1e-6), (&oracle, "reference", 2e-5)] {
+                    let d = max_diff(&rows, other)?;
+                    assert!(
+                        d < tol,
+                        "{what}, batch_first {batch_first}, causal {is_causal}: {d}"
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -96,6 +96,21 @@ impl Proj {
         Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)
     }
 
+    /// Whether [`Proj::forward`] of `x (…, in)` runs on this crate's CPU kernel (f32 `x`
+    /// on a CPU with AVX-512, a product large enough, no gradients), which runs
+    /// sequentially inside `kernels::cpu::par::inline`.
+    pub(crate) fn on_kernel(&self, x: &Tensor) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            crate::kernels::cpu::linear::applies_rows(x, &self.weight)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = x;
+            false
+        }
+    }
+
     /// [`Proj::forward`]'s product on candle's `matmul` only (the reference path):
     /// `x (rows, in) · w (out, in)ᵀ + b (out)`.
     pub fn matmul_bias_reference(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {

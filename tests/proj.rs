@@ -1,5 +1,5 @@
 //! `Proj::forward` (the fused CPU product where it applies) agrees with candle's
-//! `matmul` reference on shapes that exercise partial row tiles (tiles of 14 rows),
+//! `matmul` reference on shapes that exercise short row tiles (tiles of 14 rows),
 //! partial 16-output panels (masked stores) and an odd panel count, contraction lengths
 //! that are not multiples of 16 (the W pack's 16×16 transposes) or of 4 (the product's
 //! unrolled steps, also after a full contraction chunk of 768), several parallel row
@@ -29,7 +29,10 @@ fn projection_matches_candle_matmul() -> Result<()> {
         (60, 771, 40),
         (1024, 768, 768),
     ];
-    for (rows, inp, out) in shapes {
+    // Rows 14 + t: a full 14-row tile, then a short tile of every height t = 1..13 (with
+    // a pair of output panels and a single last one).
+    let short = (15..28).map(|rows| (rows, 40, 48));
+    for (rows, inp, out) in shapes.into_iter().chain(short) {
         let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
         let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / (inp as f64).sqrt())?;
         let b = Tensor::randn(0f32, 1.0, out, &dev)?;

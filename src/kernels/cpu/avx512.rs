@@ -250,8 +250,9 @@ pub(crate) unsafe fn transpose16(src: *const f32, lds: usize, dst: *mut f32, ldd
 /// Rows per [`gemm`] register tile.
 pub(crate) const GEMM_ROWS: usize = 14;
 
-/// One contraction chunk `k0..k1` of `y = x · Wᵀ (+ b)` for `strips · GEMM_ROWS` rows
-/// of `x`, read in place (row-major, row stride `ldx`), against `W` packed into
+/// One contraction chunk `k0..k1` of `y = x · Wᵀ (+ b)` for `rows` rows of `x` (whole
+/// `GEMM_ROWS`-row strips, then one shorter strip for the rest), read in place
+/// (row-major, row stride `ldx`), against `W` packed into
 /// 16-output panels `[npanels][e][NR]` (`e`: the full contraction length). `y` is
 /// row-major with row stride `ldy`; its first `out` columns are written (the last panel
 /// with a masked store). The first chunk (`!accumulate`) overwrites `y` with the product
@@ -259,13 +260,12 @@ pub(crate) const GEMM_ROWS: usize = 14;
 /// outer loop, so a pair stays in L1 while the row strips stream past it.
 ///
 /// # Safety
-/// AVX-512F must be available, and `y` must hold `strips · GEMM_ROWS` rows of stride
-/// `ldy`.
+/// AVX-512F must be available, and `y` must hold `rows` rows of stride `ldy`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm(
     x: &[f32],
     ldx: usize,
-    strips: usize,
+    rows: usize,
     (k0, k1, e): (usize, usize, usize),
     wp: &[f32],
     out: usize,
@@ -275,7 +275,7 @@ pub(crate) unsafe fn gemm(
     accumulate: bool,
 ) {
     let npanels = out.div_ceil(NR);
-    let rows = strips * GEMM_ROWS;
+    let (strips, tail) = (rows / GEMM_ROWS, rows % GEMM_ROWS);
     assert!(k0 <= k1 && k1 <= e && ldx >= e && ldy >= out);
     assert!(rows == 0 || x.len() >= (rows - 1) * ldx + e);
     assert!(wp.len() >= npanels * e * NR && b.is_none_or(|b| b.len() >= out));
@@ -297,52 +297,72 @@ pub(crate) unsafe fn gemm(
             let wpp = wp.as_ptr().add(p * e * NR + k0 * NR);
             let bp = if bias.is_null() { bias } else { bias.add(p * NR) };
             let two = p + 1 < npanels;
+            let (m2, m1) = ([mask(p), if two { mask(p + 1) } else { 0 }], [mask(p)]);
             for st in 0..strips {
                 let xk = x.as_ptr().add(st * GEMM_ROWS * ldx + k0);
                 let yp = y.add(st * GEMM_ROWS * ldy + p * NR);
-                match (two, accumulate) {
-                    (true, true) => {
-                        gemm_tile::<2, true>(xk, ldx, kc, wpp, e * NR, yp, ldy, [mask(p), mask(p + 1)], bp)
-                    }
-                    (true, false) => {
-                        gemm_tile::<2, false>(xk, ldx, kc, wpp, e * NR, yp, ldy, [mask(p), mask(p + 1)], bp)
-                    }
-                    (false, true) => gemm_tile::<1, true>(xk, ldx, kc, wpp, e * NR, yp, ldy, [mask(p)], bp),
-                    (false, false) => gemm_tile::<1, false>(xk, ldx, kc, wpp, e * NR, yp, ldy, [mask(p)], bp),
+                let t = (xk, ldx, kc, wpp, e * NR, yp, ldy, bp, accumulate);
+                match two {
+                    true => gemm_tile::<GEMM_ROWS, 2>(t, m2),
+                    false => gemm_tile::<GEMM_ROWS, 1>(t, m1),
                 }
+            }
+            if tail > 0 {
+                // The last `tail` rows: a shorter tile, in the same pass over the panels.
+                let xk = x.as_ptr().add(strips * GEMM_ROWS * ldx + k0);
+                let yp = y.add(strips * GEMM_ROWS * ldy + p * NR);
+                let t = (xk, ldx, kc, wpp, e * NR, yp, ldy, bp, accumulate);
+                macro_rules! short {
+                    ($($r:literal)*) => {
+                        match (tail, two) {
+                            $(
+                                ($r, true) => gemm_tile::<$r, 2>(t, m2),
+                                ($r, false) => gemm_tile::<$r, 1>(t, m1),
+                            )*
+                            _ => unreachable!("a tail is shorter than GEMM_ROWS"),
+                        }
+                    };
+                }
+                short!(1 2 3 4 5 6 7 8 9 10 11 12 13);
             }
             p += if two { 2 } else { 1 };
         }
     }
 }
 
-/// A `GEMM_ROWS × (P·NR)` tile of [`gemm`]: rows of `x` broadcast from their row-major
-/// place, `P` consecutive W panels (stride `panel_len`), stores masked by `masks`.
+/// `(x, ldx, kc, W panels, panel stride, y, ldy, bias, accumulate)` of a [`gemm_tile`].
+type GemmArgs = (
+    *const f32,
+    usize,
+    usize,
+    *const f32,
+    usize,
+    *mut f32,
+    usize,
+    *const f32,
+    bool,
+);
+
+/// An `R × (P·NR)` tile of [`gemm`]: rows of `x` broadcast from their row-major place,
+/// `P` consecutive W panels (stride `panel_len`), stores masked by `masks`; the output
+/// starts from `y` (`acc`), else from the bias (when not null) or zero.
 #[inline]
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn gemm_tile<const P: usize, const ACC: bool>(
-    x: *const f32,
-    ldx: usize,
-    kc: usize,
-    wpp: *const f32,
-    panel_len: usize,
-    y: *mut f32,
-    ldy: usize,
+unsafe fn gemm_tile<const R: usize, const P: usize>(
+    (x, ldx, kc, wpp, panel_len, y, ldy, bias, acc_y): GemmArgs,
     masks: [__mmask16; P],
-    bias: *const f32,
 ) {
-    let mut acc = [[_mm512_setzero_ps(); P]; GEMM_ROWS];
+    let mut acc = [[_mm512_setzero_ps(); P]; R];
     for (r, row) in acc.iter_mut().enumerate() {
         for (pi, v) in row.iter_mut().enumerate() {
-            if ACC {
+            if acc_y {
                 *v = _mm512_maskz_loadu_ps(masks[pi], y.add(r * ldy + pi * NR));
             } else if !bias.is_null() {
                 *v = _mm512_maskz_loadu_ps(masks[pi], bias.add(pi * NR));
             }
         }
     }
-    if P == 2 {
+    if P == 2 && R == GEMM_ROWS {
         let mut a2 = [[_mm512_setzero_ps(); 2]; GEMM_ROWS];
         for (d, s) in a2.iter_mut().zip(acc.iter()) {
             d.copy_from_slice(&s[..2]);

@@ -8,8 +8,7 @@ use super::pack::{
 };
 #[cfg(target_arch = "x86_64")]
 use super::{amx, avx512};
-use super::{Causal, Isa};
-use rayon::prelude::*;
+use super::{par, Causal, Isa};
 use std::cell::RefCell;
 use std::f32::consts::LOG2_E;
 use std::mem::MaybeUninit;
@@ -344,7 +343,7 @@ where
     if n_items == 0 {
         return;
     }
-    let nt = rayon::current_num_threads().min(n_items).max(1);
+    let nt = par::threads().min(n_items);
     if nt == 1 {
         with_scratch(e, ev, |sc| {
             for i in 0..n_items {
@@ -354,7 +353,7 @@ where
         return;
     }
     let next = AtomicUsize::new(0);
-    (0..nt).into_par_iter().for_each(|_| {
+    par::for_each_index(nt, |_| {
         with_scratch(e, ev, |sc| loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
             if i >= n_items {
@@ -504,7 +503,7 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
         c
     };
 
-    let nt = rayon::current_num_threads().max(1);
+    let nt = par::threads();
     if nbg == 1 {
         // Streaming (decode-style) path: every group is one block, so K/V are packed
         // block by block inside the work item (each K/V row is read once per group);
@@ -564,15 +563,11 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
                     per_block[it.blk].push(pt);
                 }
             }
-            per_block
-                .par_iter()
-                .zip(slots.par_iter())
-                .zip(blocks.par_iter())
-                .for_each(|((parts, slot), blk)| {
-                    if let Some(mut dst) = lock(slot).take() {
-                        merge::<T>(blk.n, ev, parts, &mut dst);
-                    }
-                });
+            par::for_each_index(blocks.len(), |i| {
+                if let Some(mut dst) = lock(&slots[i]).take() {
+                    merge::<T>(blocks[i].n, ev, &per_block[i], &mut dst);
+                }
+            });
         }
         return;
     }
@@ -644,16 +639,18 @@ fn prefill<T: OutElem, E: Cached + Send + Sync, S>(
     let mut g0 = 0;
     while g0 < ngroups {
         let gn = cg.min(ngroups - g0);
-        buf[..gn * group_len]
-            .par_chunks_mut(blk_len)
-            .enumerate()
-            .for_each_init(&init, |stage, (idx, chunk)| {
+        par::chunks_for_each(
+            &mut buf[..gn * group_len],
+            blk_len,
+            &init,
+            |stage, (idx, chunk)| {
                 let gi = g0 + idx / kbn;
                 let kb = idx % kbn;
                 let j0 = kb * BK;
                 let (kc, vc) = chunk.split_at_mut(kbl);
                 pack(stage, (kc, vc), (gi / hkv, gi % hkv, j0, BK.min(s - j0)));
-            });
+            },
+        );
         let mut items: Vec<Item> = (g0 * nbg..(g0 + gn) * nbg)
             .map(|bi| Item {
                 blk: bi,

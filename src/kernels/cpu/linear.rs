@@ -8,8 +8,8 @@
 
 use super::avx512::{self, GEMM_ROWS};
 use super::pack::{pack_k, AVec, Data, View, NR};
+use super::par;
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
-use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Rows per parallel work item (about; whole register tiles).
@@ -25,9 +25,15 @@ const KEEP_FLOATS: usize = 4 << 20;
 /// Whether [`linear`] takes a `(rows, in) · (out, in)ᵀ` product: f32 on the CPU, the
 /// AVX-512 kernel selected, and a product large enough to amortise the packing.
 pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
-    let (Ok((rows, inp)), Ok((out, win))) = (x.dims2(), w.dims2()) else {
+    x.rank() == 2 && applies_rows(x, w)
+}
+
+/// [`applies`] to `x (…, in)` viewed as `(rows, in)`.
+pub(crate) fn applies_rows(x: &Tensor, w: &Tensor) -> bool {
+    let (Some(&inp), Ok((out, win))) = (x.dims().last(), w.dims2()) else {
         return false;
     };
+    let rows = x.elem_count() / inp.max(1);
     // Tensors that record gradients take candle's ops: this product has no backward.
     !x.track_op()
         && !w.track_op()
@@ -206,7 +212,9 @@ fn pack_into(wd: Data, (out, inp): (usize, usize), wp: &mut [f32]) {
     };
     // Conversion scratch, needed only for f16/bf16 weights.
     let tmp_len = if matches!(wd, Data::F32(_)) { 0 } else { NR * inp };
-    wp.par_chunks_mut(inp * NR).enumerate().for_each_init(
+    par::chunks_for_each(
+        wp,
+        inp * NR,
         || vec![0f32; tmp_len],
         |tmp, (p, panel)| {
             let o0 = p * NR;
@@ -231,7 +239,7 @@ fn product(xv: &[f32], wp: &[f32], bv: Option<&[f32]>, (rows, inp, out): (usize,
     // Row blocks of about `ROWS` rows, as many as a multiple of the thread count, with
     // whole register tiles split evenly (block sizes differ by at most one tile), so the
     // threads get equal work.
-    let nt = rayon::current_num_threads().max(1);
+    let nt = par::threads();
     let tiles = rows.div_ceil(GEMM_ROWS);
     let nblk = rows.div_ceil(ROWS).div_ceil(nt) * nt;
     let mut blocks = Vec::with_capacity(nblk);
@@ -243,66 +251,35 @@ fn product(xv: &[f32], wp: &[f32], bv: Option<&[f32]>, (rows, inp, out): (usize,
         blocks.push((r0, head));
         rest = tail;
     }
-    blocks
-        .into_par_iter()
-        .filter(|(_, ys)| !ys.is_empty())
-        .for_each(|(r0, ys)| {
-            let n = ys.len() / out;
-            let full = n / GEMM_ROWS * GEMM_ROWS;
-            let yp = ys.as_mut_ptr() as *mut f32;
-            // Rows past the last full tile go through a zero-padded copy.
-            let tail = n - full;
-            let mut xt = vec![0f32; if tail > 0 { GEMM_ROWS * inp } else { 0 }];
-            let mut yt = vec![0f32; if tail > 0 { GEMM_ROWS * out } else { 0 }];
-            if tail > 0 {
-                xt[..tail * inp].copy_from_slice(&xv[(r0 + full) * inp..(r0 + n) * inp]);
-            }
-            // Contraction chunks of `KC` (see there).
-            let mut k0 = 0;
-            while k0 < inp {
-                let k1 = (k0 + KC).min(inp);
-                let bias = if k0 == 0 { bv } else { None };
-                // SAFETY: `applies` selected the AVX-512 kernel, so the machine has it;
-                // rows `0..full` of this block are inside `ys`. The first chunk writes
-                // every element before later chunks read them.
-                unsafe {
-                    avx512::gemm(
-                        &xv[r0 * inp..(r0 + full) * inp],
-                        inp,
-                        full / GEMM_ROWS,
-                        (k0, k1, inp),
-                        wp,
-                        out,
-                        yp,
-                        out,
-                        bias,
-                        k0 > 0,
-                    )
-                };
-                if tail > 0 {
-                    // SAFETY: as above, into the padded `yt` of `GEMM_ROWS` rows.
-                    unsafe {
-                        avx512::gemm(
-                            &xt,
-                            inp,
-                            1,
-                            (k0, k1, inp),
-                            wp,
-                            out,
-                            yt.as_mut_ptr(),
-                            out,
-                            bias,
-                            k0 > 0,
-                        )
-                    };
-                }
-                k0 = k1;
-            }
-            if tail > 0 {
-                // SAFETY: rows `full..n` of this block are inside `ys`.
-                unsafe { std::ptr::copy_nonoverlapping(yt.as_ptr(), yp.add(full * out), tail * out) };
-            }
-        });
+    blocks.retain(|(_, ys)| !ys.is_empty());
+    par::vec_for_each(blocks, |(r0, ys)| {
+        let n = ys.len() / out;
+        let yp = ys.as_mut_ptr() as *mut f32;
+        // Contraction chunks of `KC` (see there).
+        let mut k0 = 0;
+        while k0 < inp {
+            let k1 = (k0 + KC).min(inp);
+            let bias = if k0 == 0 { bv } else { None };
+            // SAFETY: `applies` selected the AVX-512 kernel, so the machine has it;
+            // rows `0..n` of this block are inside `ys`. The first chunk writes every
+            // element before later chunks read them.
+            unsafe {
+                avx512::gemm(
+                    &xv[r0 * inp..(r0 + n) * inp],
+                    inp,
+                    n,
+                    (k0, k1, inp),
+                    wp,
+                    out,
+                    yp,
+                    out,
+                    bias,
+                    k0 > 0,
+                )
+            };
+            k0 = k1;
+        }
+    });
     // SAFETY: the row blocks above wrote all `rows · out` elements.
     unsafe { y.set_len(rows * out) };
     y

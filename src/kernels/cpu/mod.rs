@@ -60,6 +60,7 @@ pub(crate) mod linear;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod pack;
+pub(crate) mod par;
 mod portable;
 
 use pack::{Data, MaskView, View};

@@ -1,0 +1,105 @@
+//! Where the kernels' parallel loops run: on rayon's threads, or on the calling thread
+//! alone inside [`inline`], which a caller uses when it runs several kernel calls in a
+//! parallel loop of its own (so that nothing parallel runs inside anything parallel).
+use rayon::prelude::*;
+use std::cell::Cell;
+
+thread_local! {
+    static INLINE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with every kernel call it makes on this thread sequential.
+pub(crate) fn inline<R>(f: impl FnOnce() -> R) -> R {
+    /// Restores the previous mode, also when `f` unwinds.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            INLINE.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(INLINE.with(|c| c.replace(true)));
+    f()
+}
+
+/// Whether this thread is inside [`inline`].
+fn is_inline() -> bool {
+    INLINE.with(|c| c.get())
+}
+
+/// Threads the kernels may split work over: rayon's, or 1 inside [`inline`].
+pub(crate) fn threads() -> usize {
+    if is_inline() {
+        1
+    } else {
+        rayon::current_num_threads().max(1)
+    }
+}
+
+/// `f(i)` for every `i < n`, on rayon's threads (or in order inside [`inline`]).
+pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync + Send) {
+    if is_inline() {
+        (0..n).for_each(f)
+    } else {
+        (0..n).into_par_iter().for_each(f)
+    }
+}
+
+/// `f(item)` for every item of `items`, on rayon's threads (or in order inside
+/// [`inline`]).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // used by `linear` (x86-64)
+pub(crate) fn vec_for_each<T: Send>(items: Vec<T>, f: impl Fn(T) + Sync + Send) {
+    if is_inline() {
+        items.into_iter().for_each(f)
+    } else {
+        items.into_par_iter().for_each(f)
+    }
+}
+
+/// `f(state, (i, chunk))` for the `i`-th chunk of `n` elements of `buf`, with states
+/// made by `init` (one per rayon job, or a single one inside [`inline`]).
+pub(crate) fn chunks_for_each<T: Send, S>(
+    buf: &mut [T],
+    n: usize,
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, (usize, &mut [T])) + Sync + Send,
+) {
+    if is_inline() {
+        let mut state = init();
+        buf.chunks_mut(n).enumerate().for_each(|x| f(&mut state, x))
+    } else {
+        buf.par_chunks_mut(n).enumerate().for_each_init(init, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inline_runs_on_the_calling_thread_and_restores_the_mode() {
+        let me = std::thread::current().id();
+        assert!(!is_inline());
+        inline(|| {
+            assert_eq!(threads(), 1);
+            for_each_index(64, |_| assert_eq!(std::thread::current().id(), me));
+            vec_for_each((0..64).collect(), |_: i32| {
+                assert_eq!(std::thread::current().id(), me)
+            });
+            let mut buf = vec![0u8; 64];
+            chunks_for_each(
+                &mut buf,
+                8,
+                || (),
+                |_, (i, c)| {
+                    assert_eq!(std::thread::current().id(), me);
+                    c.fill(i as u8);
+                },
+            );
+            assert_eq!(buf[63], 7);
+        });
+        assert!(!is_inline());
+        let caught = std::panic::catch_unwind(|| inline(|| panic!("unwinds")));
+        assert!(caught.is_err());
+        assert!(!is_inline());
+    }
+}
