@@ -433,18 +433,24 @@ impl MultiheadAttention {
             backend: args.backend,
             ..SdpaOptions::default()
         };
-        let rows: Vec<Tensor> = (0..n)
-            .into_par_iter()
-            .map(|b| {
+        // Each batch row's output projection writes its rows of the result in place.
+        let mut out: Vec<f32> = Vec::with_capacity(n * l * e);
+        out.spare_capacity_mut()[..n * l * e]
+            .par_chunks_mut(l * e)
+            .enumerate()
+            .try_for_each(|(b, dst)| {
                 crate::kernels::cpu::par::inline(|| {
                     let y = qkv.forward(&qn.narrow(0, b, 1)?)?.reshape((1, l, 3, h, hd))?;
                     let part = |i: usize| y.i((.., .., i))?.transpose(1, 2);
                     let att = attention(&part(0)?, &part(1)?, &part(2)?, &opts, true)?;
-                    self.out.forward(&att.output.transpose(1, 2)?.reshape((1, l, e))?)
+                    let o = att.output.transpose(1, 2)?.reshape((l, e))?;
+                    self.out.forward_into(&o, dst)
                 })
-            })
-            .collect::<Result<_>>()?;
-        Tensor::cat(&rows, 0)
+            })?;
+        // SAFETY: every chunk's `forward_into` returned Ok, so all `n · l · e` elements are
+        // written.
+        unsafe { out.set_len(n * l * e) };
+        Tensor::from_vec(out, (n, l, e), qn.device())
     }
 }
 

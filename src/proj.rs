@@ -80,20 +80,82 @@ impl Proj {
         let w = &self.weight;
         #[cfg(target_arch = "x86_64")]
         if crate::kernels::cpu::linear::applies(x, w) {
-            use crate::kernels::cpu::linear::{linear, linear_packed, PackedWeight};
-            use std::sync::atomic::Ordering;
-            let cache = &self.packed;
-            if cache.packed.get().is_none() && cache.used.swap(true, Ordering::Relaxed) {
-                let made = PackedWeight::cached(w)?;
-                // A racing thread's pack may win; the loser's is dropped.
-                let _ = cache.packed.set(made);
-            }
-            return match cache.packed.get() {
-                Some(Some(p)) => linear_packed(x, p, b),
-                _ => linear(x, w, b),
+            use crate::kernels::cpu::linear::{linear, linear_packed};
+            return match self.kept_pack()? {
+                Some(p) => linear_packed(x, p, b),
+                None => linear(x, w, b),
             };
         }
         Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)
+    }
+
+    /// The weight's kept pack: made on the second call that asks (see
+    /// [`Proj::matmul_bias`]); `None` before, or when the pack cache's budget is full.
+    #[cfg(target_arch = "x86_64")]
+    fn kept_pack(&self) -> Result<Option<&crate::kernels::cpu::linear::PackedWeight>> {
+        use std::sync::atomic::Ordering;
+        let cache = &self.packed;
+        if cache.packed.get().is_none() && cache.used.swap(true, Ordering::Relaxed) {
+            let made = crate::kernels::cpu::linear::PackedWeight::cached(&self.weight)?;
+            // A racing thread's pack may win; the loser's is dropped.
+            let _ = cache.packed.set(made);
+        }
+        Ok(match cache.packed.get() {
+            Some(Some(p)) => Some(p),
+            _ => None,
+        })
+    }
+
+    /// [`Proj::forward`] of `x (…, in)` into `dst` (`rows · out` f32, row-major), on this
+    /// crate's CPU kernel: only where [`Proj::on_kernel`] holds for `x` (an error
+    /// otherwise).
+    pub(crate) fn forward_into(&self, x: &Tensor, dst: &mut [std::mem::MaybeUninit<f32>]) -> Result<()> {
+        let (rows, in_dim) = self.check_input(x)?;
+        if !self.on_kernel(x) {
+            candle::bail!(
+                "projection into a buffer needs the CPU kernel, which does not take x {:?} {:?} for weight {:?}",
+                x.dims(),
+                x.dtype(),
+                self.weight.dims()
+            )
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::kernels::cpu::linear::{linear_into, linear_packed_into};
+            let x2 = x.reshape((rows, in_dim))?;
+            let bias = self.bias.as_ref().map(|b| b.to_dtype(DType::F32)).transpose()?;
+            match self.kept_pack()? {
+                Some(p) => linear_packed_into(&x2, p, bias.as_ref(), dst),
+                None => linear_into(&x2, &self.weight, bias.as_ref(), dst),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (rows, in_dim, dst);
+            unreachable!("on_kernel is false off x86-64")
+        }
+    }
+
+    /// Checks `x (…, in)` and the bias against the weight; returns `(rows, in)`.
+    fn check_input(&self, x: &Tensor) -> Result<(usize, usize)> {
+        let (out_dim, in_dim) = self.weight.dims2()?;
+        let dims = x.dims();
+        if dims.last() != Some(&in_dim) {
+            candle::bail!(
+                "projection expects input (…, {in_dim}) for weight {:?}, got {dims:?}",
+                self.weight.dims()
+            )
+        }
+        if let Some(b) = &self.bias {
+            if b.dims() != [out_dim] {
+                candle::bail!(
+                    "projection bias {:?} does not match weight {:?} (expected ({out_dim},))",
+                    b.dims(),
+                    self.weight.dims()
+                )
+            }
+        }
+        Ok((x.elem_count() / in_dim.max(1), in_dim))
     }
 
     /// Whether [`Proj::forward`] of `x (…, in)` runs on this crate's CPU kernel (f32 `x`
@@ -123,25 +185,10 @@ impl Proj {
 
     /// `(…, in)` → `(…, out)` in the accumulation dtype of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (out_dim, in_dim) = self.weight.dims2()?;
+        let (rows, in_dim) = self.check_input(x)?;
+        let out_dim = self.weight.dims2()?.0;
         let dims = x.dims();
-        if dims.last() != Some(&in_dim) {
-            candle::bail!(
-                "projection expects input (…, {in_dim}) for weight {:?}, got {dims:?}",
-                self.weight.dims()
-            )
-        }
-        if let Some(b) = &self.bias {
-            if b.dims() != [out_dim] {
-                candle::bail!(
-                    "projection bias {:?} does not match weight {:?} (expected ({out_dim},))",
-                    b.dims(),
-                    self.weight.dims()
-                )
-            }
-        }
         let cd = compute_dtype(x.dtype());
-        let rows = x.elem_count() / in_dim.max(1);
         let x2 = x.to_dtype(cd)?.reshape((rows, in_dim))?;
         let bias = self.bias.as_ref().map(|b| b.to_dtype(cd)).transpose()?;
         let y = self.matmul_bias(&x2, bias.as_ref(), cd)?;

@@ -10,6 +10,7 @@ use super::avx512::{self, GEMM_ROWS};
 use super::pack::{pack_k, AVec, Data, View, NR};
 use super::par;
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Rows per parallel work item (about; whole register tiles).
@@ -53,12 +54,37 @@ pub(crate) fn applies_rows(x: &Tensor, w: &Tensor) -> bool {
 /// buffer the calling thread keeps. Callers check [`applies`] first; shapes are
 /// validated again here.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    new_output(x, w.dims2()?.0, |dst| linear_into(x, w, b, dst))
+}
+
+/// A new `(rows, out)` f32 tensor for `x (rows, in)`, written whole by `write`.
+fn new_output(
+    x: &Tensor,
+    out: usize,
+    write: impl FnOnce(&mut [MaybeUninit<f32>]) -> Result<()>,
+) -> Result<Tensor> {
+    let (rows, _) = x.dims2()?;
+    let mut y: Vec<f32> = Vec::with_capacity(rows * out);
+    write(&mut y.spare_capacity_mut()[..rows * out])?;
+    // SAFETY: `write` returned Ok, so it wrote all `rows · out` elements.
+    unsafe { y.set_len(rows * out) };
+    Tensor::from_vec(y, (rows, out), x.device())
+}
+
+/// [`linear`] into `dst` (`rows · out` elements, row-major), which it writes whole when
+/// it returns Ok.
+pub(crate) fn linear_into(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    dst: &mut [MaybeUninit<f32>],
+) -> Result<()> {
     let (out, inp) = w.dims2()?;
     let wc = w.contiguous()?;
     let (wg, wl) = wc.storage_and_layout();
     let wd = weight_data(&wg, wl, w)?;
     let np = out.div_ceil(NR);
-    let (rows, y) = with_operands(x, (out, inp), w, b, |rows, xv, bv| {
+    with_operands(x, (out, inp), w, b, dst, |rows, xv, bv, dst| {
         // The W pack lives in a buffer kept by the calling thread between calls: a fresh
         // multi-MB allocation would page-fault on every call.
         PACK.with(|cell| {
@@ -70,35 +96,53 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
             };
             wp.grow(np * inp * NR);
             pack_into(wd, (out, inp), &mut wp[..np * inp * NR]);
-            let y = product(xv, &wp[..np * inp * NR], bv, (rows, inp, out));
+            product(xv, &wp[..np * inp * NR], bv, (rows, inp, out), dst);
             // Keep at most `KEEP_FLOATS`, so a large layer's pack is not held.
             if wp.len() > KEEP_FLOATS {
                 *wp = AVec::default();
             }
-            (rows, y)
         })
-    })?;
-    Tensor::from_vec(y, (rows, out), x.device())
+    })
 }
 
 /// [`linear`] against a weight packed once by [`PackedWeight::cached`].
 pub(crate) fn linear_packed(x: &Tensor, w: &PackedWeight, b: Option<&Tensor>) -> Result<Tensor> {
-    let (rows, y) = with_operands(x, (w.out, w.inp), &w.source, b, |rows, xv, bv| {
-        (rows, product(xv, &w.panels, bv, (rows, w.inp, w.out)))
-    })?;
-    Tensor::from_vec(y, (rows, w.out), x.device())
+    new_output(x, w.out, |dst| linear_packed_into(x, w, b, dst))
 }
 
-/// Checks `x (rows, in)` and `b (out)` against a weight `(out, in)` (named `w` in
-/// errors), then runs `f(rows, x, b)` on their contiguous f32 data.
+/// [`linear_packed`] into `dst`, as [`linear_into`].
+pub(crate) fn linear_packed_into(
+    x: &Tensor,
+    w: &PackedWeight,
+    b: Option<&Tensor>,
+    dst: &mut [MaybeUninit<f32>],
+) -> Result<()> {
+    with_operands(x, (w.out, w.inp), &w.source, b, dst, |rows, xv, bv, dst| {
+        product(xv, &w.panels, bv, (rows, w.inp, w.out), dst)
+    })
+}
+
+/// Checks `x (rows, in)`, `b (out)` and `dst` (`rows · out`) against a weight
+/// `(out, in)` (named `w` in errors), then runs `f(rows, x, b, dst)` on their contiguous
+/// f32 data.
 fn with_operands<R>(
     x: &Tensor,
     (out, inp): (usize, usize),
     w: &Tensor,
     b: Option<&Tensor>,
-    f: impl FnOnce(usize, &[f32], Option<&[f32]>) -> R,
+    dst: &mut [MaybeUninit<f32>],
+    f: impl FnOnce(usize, &[f32], Option<&[f32]>, &mut [MaybeUninit<f32>]) -> R,
 ) -> Result<R> {
     let (rows, xin) = x.dims2()?;
+    if dst.len() != rows * out {
+        candle::bail!(
+            "linear: output of {} elements for x {:?} and weight {:?} (expected {})",
+            dst.len(),
+            x.dims(),
+            w.dims(),
+            rows * out
+        );
+    }
     if xin != inp {
         candle::bail!(
             "linear: x {:?} and weight {:?} disagree on in-features",
@@ -119,7 +163,7 @@ fn with_operands<R>(
         (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
         _ => None,
     };
-    Ok(f(rows, xv, bv))
+    Ok(f(rows, xv, bv, dst))
 }
 
 /// Bytes of packed weights that [`PackedWeight::cached`] may keep alive at once, all
@@ -233,9 +277,16 @@ fn pack_into(wd: Data, (out, inp): (usize, usize), wp: &mut [f32]) {
     );
 }
 
-/// The `(rows, out)` product of `x` (read in place) and the packed `wp`, plus `b`.
-fn product(xv: &[f32], wp: &[f32], bv: Option<&[f32]>, (rows, inp, out): (usize, usize, usize)) -> Vec<f32> {
-    let mut y: Vec<f32> = Vec::with_capacity(rows * out);
+/// The `(rows, out)` product of `x` (read in place) and the packed `wp`, plus `b`, into
+/// `y` (`rows · out` elements, all written).
+fn product(
+    xv: &[f32],
+    wp: &[f32],
+    bv: Option<&[f32]>,
+    (rows, inp, out): (usize, usize, usize),
+    y: &mut [MaybeUninit<f32>],
+) {
+    assert_eq!(y.len(), rows * out);
     // Row blocks of about `ROWS` rows, as many as a multiple of the thread count, with
     // whole register tiles split evenly (block sizes differ by at most one tile), so the
     // threads get equal work.
@@ -243,7 +294,7 @@ fn product(xv: &[f32], wp: &[f32], bv: Option<&[f32]>, (rows, inp, out): (usize,
     let tiles = rows.div_ceil(GEMM_ROWS);
     let nblk = rows.div_ceil(ROWS).div_ceil(nt) * nt;
     let mut blocks = Vec::with_capacity(nblk);
-    let mut rest = &mut y.spare_capacity_mut()[..rows * out];
+    let mut rest = y;
     for i in 0..nblk {
         let r0 = (i * tiles / nblk * GEMM_ROWS).min(rows);
         let r1 = ((i + 1) * tiles / nblk * GEMM_ROWS).min(rows);
@@ -280,9 +331,6 @@ fn product(xv: &[f32], wp: &[f32], bv: Option<&[f32]>, (rows, inp, out): (usize,
             k0 = k1;
         }
     });
-    // SAFETY: the row blocks above wrote all `rows · out` elements.
-    unsafe { y.set_len(rows * out) };
-    y
 }
 
 fn f32_slice<'a>(st: &'a Storage, lay: &candle::Layout, t: &Tensor) -> Result<&'a [f32]> {
