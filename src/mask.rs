@@ -230,6 +230,31 @@ impl AttnMask {
         AttnMask { parts }
     }
 
+    /// The mask of batch row `b` of `n`, for scores `(n, H, L, S)` seen one batch row at
+    /// a time as `(1, H, L, S)`: each rank-4 tensor part with `n > 1` rows keeps row `b`;
+    /// every other part broadcasts over the batch and stays as it is.
+    pub(crate) fn batch_row(&self, b: usize, n: usize) -> Result<AttnMask> {
+        let row = |t: &Tensor| -> Result<Tensor> {
+            if n > 1 && t.rank() == 4 && t.dim(0)? == n {
+                t.narrow(0, b, 1)
+            } else {
+                Ok(t.clone())
+            }
+        };
+        let parts = self
+            .parts
+            .iter()
+            .map(|p| {
+                Ok(match p {
+                    Part::Keep(t) => Part::Keep(row(t)?),
+                    Part::Additive(t) => Part::Additive(row(t)?),
+                    c @ Part::Causal { .. } => c.clone(),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(AttnMask { parts })
+    }
+
     /// True when the mask has no parts (lets everything through).
     pub fn is_empty(&self) -> bool {
         self.parts.is_empty()

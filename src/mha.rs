@@ -328,8 +328,8 @@ impl MultiheadAttention {
             _ => None,
         };
         if let Some(qkv) = fused {
-            if self.per_batch_applies(qkv, &qn, &mask, args) {
-                let o = self.per_batch(qkv, &qn, args)?.to_dtype(dt)?;
+            if self.per_batch_applies(qkv, &qn, args) {
+                let o = self.per_batch(qkv, &qn, &mask, args)?.to_dtype(dt)?;
                 return Ok((self.to_query_layout(o, unbatched)?, None));
             }
         }
@@ -397,18 +397,18 @@ impl MultiheadAttention {
         }
     }
 
-    /// Whether [`MultiheadAttention::per_batch`] takes this self-attention call: no mask
-    /// and no weights, both projections on this crate's CPU kernel, and enough batch rows
+    /// Whether [`MultiheadAttention::per_batch`] takes this self-attention call: no
+    /// weights, no appended keys, both projections on this crate's CPU kernel, and enough
+    /// batch rows
     /// of a size that suits it (several per thread, evenly split or at least four per
     /// thread; `L ≥ 64`, so that each weight pass serves enough rows, and q, k, v of one
     /// batch row within 4 MiB, so that they fit a core's L2).
-    fn per_batch_applies(&self, qkv: &Proj, qn: &Tensor, mask: &AttnMask, args: &MhaArgs) -> bool {
+    fn per_batch_applies(&self, qkv: &Proj, qn: &Tensor, args: &MhaArgs) -> bool {
         let Ok((n, l, e)) = qn.dims3() else {
             return false;
         };
         let nt = crate::kernels::cpu::par::threads();
-        mask.is_empty()
-            && !args.need_weights
+        !args.need_weights
             && !self.cfg.add_zero_attn
             && args.backend != Backend::Reference
             && nt > 1
@@ -423,16 +423,12 @@ impl MultiheadAttention {
     /// Self-attention one batch row at a time: in parallel over the rows, each row's input
     /// projection, attention and output projection run on one thread
     /// (`par::inline`), so its q, k, v and the attention output are still in that core's
-    /// L2 when the next step reads them. `qn`: `(N, L, E)`; returns `(N, L, E)`.
-    fn per_batch(&self, qkv: &Proj, qn: &Tensor, args: &MhaArgs) -> Result<Tensor> {
+    /// L2 when the next step reads them. `qn`: `(N, L, E)`, `mask` for scores
+    /// `(N, H, L, S)`; returns `(N, L, E)`.
+    fn per_batch(&self, qkv: &Proj, qn: &Tensor, mask: &AttnMask, args: &MhaArgs) -> Result<Tensor> {
         use rayon::prelude::*;
         let (n, l, e) = qn.dims3()?;
         let (h, hd) = (self.cfg.num_heads, self.head_dim);
-        let opts = SdpaOptions {
-            is_causal: args.is_causal,
-            backend: args.backend,
-            ..SdpaOptions::default()
-        };
         // Each batch row's output projection writes its rows of the result in place.
         let mut out: Vec<f32> = Vec::with_capacity(n * l * e);
         out.spare_capacity_mut()[..n * l * e]
@@ -440,6 +436,13 @@ impl MultiheadAttention {
             .enumerate()
             .try_for_each(|(b, dst)| {
                 crate::kernels::cpu::par::inline(|| {
+                    let row_mask = mask.batch_row(b, n)?;
+                    let opts = SdpaOptions {
+                        mask: (!row_mask.is_empty()).then_some(row_mask),
+                        is_causal: args.is_causal,
+                        backend: args.backend,
+                        ..SdpaOptions::default()
+                    };
                     let y = qkv.forward(&qn.narrow(0, b, 1)?)?.reshape((1, l, 3, h, hd))?;
                     let part = |i: usize| y.i((.., .., i))?.transpose(1, 2);
                     let att = attention(&part(0)?, &part(1)?, &part(2)?, &opts, true)?;
@@ -498,47 +501,67 @@ mod tests {
 
     /// Self-attention one batch row per thread (`per_batch`) equals the whole-batch path
     /// (which distinct key and value tensors take) and the reference SDPA, batch-first or
-    /// not, causal or not; on an AVX-512 machine with several threads the path is taken.
+    /// not, causal or not, without a mask and with each kind of mask split by batch row: a
+    /// bool key-padding mask (one row fully padded), a float `(L, S)` mask and a bool
+    /// `(N·H, L, S)` mask. On an AVX-512 machine with several threads the path is taken.
     #[test]
     fn per_batch_rows_equal_the_whole_batch() -> Result<()> {
         let (e, h, n, l) = (64, 4, 6, 70);
+        let dev = Device::Cpu;
+        let pad: Vec<u8> = (0..n * l)
+            .map(|x| u8::from(x / l == 2 || x % l >= l - 3 * (x / l)))
+            .collect();
+        let kpm = Tensor::from_vec(pad, (n, l), &dev)?;
+        let float_mask = Tensor::randn(0f32, 1., (l, l), &dev)?;
+        let bool_mask = Tensor::rand(0f32, 1., (n * h, l, l), &dev)?
+            .ge(0.8)?
+            .to_dtype(DType::U8)?;
         for batch_first in [true, false] {
             let mha = layer(e, h, batch_first)?;
             let shape = if batch_first { (n, l, e) } else { (l, n, e) };
-            let x = Tensor::randn(0f32, 1., shape, &Device::Cpu)?;
+            let x = Tensor::randn(0f32, 1., shape, &dev)?;
             let (k, v) = (x.copy()?, x.copy()?);
+            let masks: [(Option<&Tensor>, Option<&Tensor>); 4] = [
+                (None, None),
+                (Some(&kpm), None),
+                (None, Some(&float_mask)),
+                (Some(&kpm), Some(&bool_mask)),
+            ];
             for is_causal in [false, true] {
-                let args = MhaArgs {
-                    need_weights: false,
-                    is_causal,
-                    ..MhaArgs::default()
-                };
-                let qn = if batch_first {
-                    x.clone()
-                } else {
-                    x.transpose(0, 1)?
-                };
-                let qkv = mha.qkv.as_ref().expect("self-attention has one input projection");
-                let kernel =
-                    crate::kernels::cpu::isa() == "avx512" && crate::kernels::cpu::par::threads() > 1;
-                // (`is_causal` travels in the args, not in the mask, as in `forward_with`.)
-                assert_eq!(mha.per_batch_applies(qkv, &qn, &AttnMask::none(), &args), kernel);
-                let (rows, _) = mha.forward_with(&x, &x, &x, &args)?;
-                let (whole, _) = mha.forward_with(&x, &k, &v, &args)?;
-                let reference = MhaArgs {
-                    backend: Backend::Reference,
-                    ..args
-                };
-                let (oracle, _) = mha.forward_with(&x, &k, &v, &reference)?;
-                assert_eq!(rows.dims(), x.dims());
-                // The same kernels on the same rows (bit-identical here), and the reference
-                // SDPA within the f32 tolerance.
-                for (other, what, tol) in [(&whole, "whole batch", 1e-6), (&oracle, "reference", 2e-5)] {
-                    let d = max_diff(&rows, other)?;
-                    assert!(
-                        d < tol,
-                        "{what}, batch_first {batch_first}, causal {is_causal}: {d}"
-                    );
+                for (m, &(key_padding_mask, attn_mask)) in masks.iter().enumerate() {
+                    let args = MhaArgs {
+                        need_weights: false,
+                        is_causal,
+                        key_padding_mask,
+                        attn_mask,
+                        ..MhaArgs::default()
+                    };
+                    let qn = if batch_first {
+                        x.clone()
+                    } else {
+                        x.transpose(0, 1)?
+                    };
+                    let qkv = mha.qkv.as_ref().expect("self-attention has one input projection");
+                    let kernel =
+                        crate::kernels::cpu::isa() == "avx512" && crate::kernels::cpu::par::threads() > 1;
+                    assert_eq!(mha.per_batch_applies(qkv, &qn, &args), kernel);
+                    let (rows, _) = mha.forward_with(&x, &x, &x, &args)?;
+                    let (whole, _) = mha.forward_with(&x, &k, &v, &args)?;
+                    let reference = MhaArgs {
+                        backend: Backend::Reference,
+                        ..args
+                    };
+                    let (oracle, _) = mha.forward_with(&x, &k, &v, &reference)?;
+                    assert_eq!(rows.dims(), x.dims());
+                    // The same kernels on the same rows (bit-identical here), and the
+                    // reference SDPA within the f32 tolerance.
+                    for (other, what, tol) in [(&whole, "whole batch", 1e-6), (&oracle, "reference", 2e-5)] {
+                        let d = max_diff(&rows, other)?;
+                        assert!(
+                            d < tol,
+                            "{what}, batch_first {batch_first}, causal {is_causal}, masks {m}: {d}"
+                        );
+                    }
                 }
             }
         }
