@@ -399,10 +399,9 @@ impl MultiheadAttention {
 
     /// Whether [`MultiheadAttention::per_batch`] takes this self-attention call: no
     /// weights, no appended keys, both projections on this crate's CPU kernel, and enough
-    /// batch rows
-    /// of a size that suits it (several per thread, evenly split or at least four per
-    /// thread; `L ≥ 64`, so that each weight pass serves enough rows, and q, k, v of one
-    /// batch row within 4 MiB, so that they fit a core's L2).
+    /// batch rows of a size that suits it (several per thread, evenly split or at least
+    /// four per thread; `L ≥ 64`, so that each weight pass serves enough rows; q, k, v of
+    /// one batch row within 4 MiB, so that they fit a core's L2).
     fn per_batch_applies(&self, qkv: &Proj, qn: &Tensor, args: &MhaArgs) -> bool {
         let Ok((n, l, e)) = qn.dims3() else {
             return false;

@@ -447,8 +447,14 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
     let mut out: Vec<T> = Vec::with_capacity(total_rows * ev);
     let spare = &mut out.spare_capacity_mut()[..total_rows * ev];
     let (base, len) = (spare.as_mut_ptr(), spare.len());
-    let covered: usize = blocks.iter().map(|blk| blk.n).sum();
-    assert_eq!(covered, total_rows, "row blocks must cover the output");
+    // A group's row blocks tile its rows `0..g·L` in order, and groups hold distinct
+    // (batch, head) rows, so no row belongs to two blocks and every row to one.
+    let mut next = 0;
+    for &(r0, n) in &gblocks {
+        assert_eq!(r0, next, "row blocks must tile a group's rows in order");
+        next += n;
+    }
+    assert_eq!(next, rows_per_group, "row blocks must cover a group's rows");
     let slots: Vec<Mutex<Option<BlockOut<T>>>> = blocks
         .iter()
         .map(|blk| {
@@ -470,8 +476,8 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
         }
     }
     drop(slots);
-    // SAFETY: the blocks' rows are distinct and cover all `total_rows` rows (asserted
-    // above), and every slot was taken exactly once and all its rows written: by
+    // SAFETY: the blocks' rows are distinct and cover all `total_rows` rows (the tiling
+    // is asserted above), and every slot was taken exactly once and all its rows written: by
     // `finish` or `merge`, or with zeros just above.
     unsafe { out.set_len(total_rows * ev) };
     out
