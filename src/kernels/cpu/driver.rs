@@ -388,21 +388,37 @@ struct BlockOut<T> {
 unsafe impl<T: Send> Send for BlockOut<T> {}
 
 impl<T> BlockOut<T> {
-    /// The `ev` elements of the block's row `r` (`r < n`).
-    fn row(&mut self, r: usize) -> &mut [MaybeUninit<T>] {
+    /// Calls `f(r, row r)` for each of the block's `n` rows (`ev` elements each), in
+    /// order. In the default layout the rows are consecutive: one slice, cut in rows.
+    #[inline]
+    fn for_rows(&mut self, mut f: impl FnMut(usize, &mut [MaybeUninit<T>])) {
         let (bb, h0, r0, n) = self.at;
         let (hq, l, heads_inner) = self.shape;
-        assert!(r < n, "row {r} outside a block of {n} rows");
-        let (h, i) = (h0 + (r0 + r) / l, (r0 + r) % l);
-        let row = if heads_inner {
-            (bb * l + i) * hq + h
-        } else {
-            (bb * hq + h) * l + i
-        };
-        assert!((row + 1) * self.ev <= self.len, "output row {row} out of bounds");
-        // SAFETY: in bounds (asserted), and the row belongs to this block only (see the
-        // `Send` impl); `&mut self` keeps one borrow of it at a time.
-        unsafe { std::slice::from_raw_parts_mut(self.base.add(row * self.ev), self.ev) }
+        let ev = self.ev;
+        if !heads_inner {
+            // Row `(b · Hq + h) · L + i` with `h = h0 + (r0 + r) / L`, `i = (r0 + r) % L`.
+            let first = (bb * hq + h0) * l + r0;
+            assert!(
+                (first + n) * ev <= self.len,
+                "output rows {first}.. out of bounds"
+            );
+            // SAFETY: in bounds (asserted), and these rows belong to this block only (see
+            // the `Send` impl); `&mut self` keeps one borrow of them at a time.
+            let rows = unsafe { std::slice::from_raw_parts_mut(self.base.add(first * ev), n * ev) };
+            for (r, row) in rows.chunks_exact_mut(ev.max(1)).enumerate() {
+                f(r, row);
+            }
+            return;
+        }
+        for r in 0..n {
+            let (h, i) = (h0 + (r0 + r) / l, (r0 + r) % l);
+            let row = (bb * l + i) * hq + h;
+            assert!((row + 1) * ev <= self.len, "output row {row} out of bounds");
+            // SAFETY: as above, for one row.
+            f(r, unsafe {
+                std::slice::from_raw_parts_mut(self.base.add(row * ev), ev)
+            });
+        }
     }
 
     /// Writes zeros to all of the block's rows.
@@ -410,9 +426,7 @@ impl<T> BlockOut<T> {
     where
         T: OutElem,
     {
-        for r in 0..self.at.3 {
-            self.row(r).fill(MaybeUninit::new(T::default()));
-        }
+        self.for_rows(|_, row| row.fill(MaybeUninit::new(T::default())));
     }
 }
 
@@ -982,7 +996,8 @@ impl Partial {
 /// Log-sum-exp merge of split-K partials into the output rows.
 fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut BlockOut<T>) {
     let mut row = vec![0f32; ev];
-    for r in 0..n {
+    debug_assert_eq!(n, dst.at.3);
+    dst.for_rows(|r, out| {
         let mx = parts.iter().map(|pt| pt.m[r]).fold(f32::NEG_INFINITY, f32::max);
         row.fill(0.0);
         let mut lsum = 0f32;
@@ -1002,8 +1017,8 @@ fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut BlockOut<
         for o in row.iter_mut() {
             *o *= inv;
         }
-        T::store(dst.row(r), &row);
-    }
+        T::store(out, &row);
+    });
 }
 
 /// Normalises the block accumulators in `sc` and stores them to `dst` (`n` rows of Ev).
@@ -1011,11 +1026,12 @@ fn finish<T: OutElem>(p: &Problem, n: usize, sc: &mut Scratch, dst: &mut BlockOu
     let ev = p.ev;
     let evp = ev.div_ceil(NR) * NR;
     let o = sc.o.as_slice();
-    for r in 0..n {
+    debug_assert_eq!(n, dst.at.3);
+    dst.for_rows(|r, out| {
         let l = sc.l[r];
         let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-        T::store_scaled(dst.row(r), &o[r * evp..r * evp + ev], inv, &mut sc.row);
-    }
+        T::store_scaled(out, &o[r * evp..r * evp + ev], inv, &mut sc.row);
+    });
 }
 
 /// Visible-key bounds of a block's rows: the union `[lo_min, hi_max)` of the rows'
