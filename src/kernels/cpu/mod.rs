@@ -276,19 +276,25 @@ pub(crate) fn sdpa_heads_inner(
     causal: Option<Causal>,
     scale: f32,
 ) -> Result<Tensor> {
-    let layout = Layout4 {
-        heads_inner: true,
-        pack_budget: driver::PACK_BUDGET_BYTES,
-    };
-    sdpa_impl(q, k, v, mask, causal, scale, Isa::selected(), layout)
+    sdpa_impl(q, k, v, mask, causal, scale, Isa::selected(), CallPlan::new(true))
 }
 
-/// The output layout and the pack budget of one [`sdpa_impl`] call.
+/// The output layout and the K/V pack budget of one [`sdpa_impl`] call.
 #[derive(Clone, Copy)]
-struct Layout4 {
+struct CallPlan {
     /// `(B, L, Hq, Ev)` memory behind the `(B, Hq, L, Ev)` result.
     heads_inner: bool,
+    /// [`driver::PACK_BUDGET_BYTES`] outside tests.
     pack_budget: usize,
+}
+
+impl CallPlan {
+    fn new(heads_inner: bool) -> Self {
+        Self {
+            heads_inner,
+            pack_budget: driver::PACK_BUDGET_BYTES,
+        }
+    }
 }
 
 fn dims4(t: &Tensor, name: &str) -> Result<[usize; 4]> {
@@ -337,11 +343,7 @@ pub fn sdpa_with_isa(
     scale: f32,
     isa: Isa,
 ) -> Result<Tensor> {
-    let layout = Layout4 {
-        heads_inner: false,
-        pack_budget: driver::PACK_BUDGET_BYTES,
-    };
-    sdpa_impl(q, k, v, mask, causal, scale, isa, layout)
+    sdpa_impl(q, k, v, mask, causal, scale, isa, CallPlan::new(false))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -353,7 +355,7 @@ fn sdpa_impl(
     causal: Option<Causal>,
     scale: f32,
     isa: Isa,
-    layout: Layout4,
+    layout: CallPlan,
 ) -> Result<Tensor> {
     if !isa.is_supported() {
         candle::bail!(
@@ -526,7 +528,7 @@ mod tests {
             offset: 50,
             window: Some(70),
         });
-        let budget = |pack_budget| Layout4 {
+        let budget = |pack_budget| CallPlan {
             heads_inner: false,
             pack_budget,
         };
@@ -575,12 +577,8 @@ mod tests {
                 let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
                 for &isa in &isas {
                     for m in [None, Some(&mask)] {
-                        let layout = |heads_inner| Layout4 {
-                            heads_inner,
-                            pack_budget: driver::PACK_BUDGET_BYTES,
-                        };
-                        let a = sdpa_impl(&q, &k, &v, m, None, 0.3, isa, layout(false))?;
-                        let t = sdpa_impl(&q, &k, &v, m, None, 0.3, isa, layout(true))?;
+                        let a = sdpa_impl(&q, &k, &v, m, None, 0.3, isa, CallPlan::new(false))?;
+                        let t = sdpa_impl(&q, &k, &v, m, None, 0.3, isa, CallPlan::new(true))?;
                         assert_eq!(t.dims(), a.dims());
                         // The transposed view is contiguous: its memory is (B, L, Hq, Ev).
                         assert!(t.transpose(1, 2)?.is_contiguous());
