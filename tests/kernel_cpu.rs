@@ -506,7 +506,8 @@ fn isa_name() {
     }
 }
 
-/// The AMX path (bf16/f16 inputs on a machine with AMX) against f32 math on the same
+/// The bf16 pair-product path (bf16/f16 inputs on a machine with AMX; bf16 inputs on
+/// AVX512-BF16 without AMX, or with `CANDLE_ATTENTION_AMX=0`) against f32 math on the same
 /// inputs, rounded to the input dtype. f16 keeps every significant bit (components
 /// `hi + lo`), so it must be within one output ulp, up to f32 rounding noise; bf16 rounds
 /// the probabilities to one bf16 (as PyTorch does), which may add up to 2⁻⁹ · max|v|.
@@ -517,7 +518,10 @@ fn isa_name() {
 #[test]
 fn amx_precision_matches_f32_math() -> Result<()> {
     if !candle_attention::kernels::cpu::amx_enabled() {
-        eprintln!("note: AMX not available here; this compares the AVX-512/AVX2 path instead");
+        eprintln!("note: AMX not available here; f16 runs the f32 kernels");
+    }
+    if !candle_attention::kernels::cpu::bf16_pairs_enabled() {
+        eprintln!("note: no bf16 pair products here; bf16 runs the f32 kernels");
     }
     let mut rng = Rng(0x05ee_da11);
     let dev = Device::Cpu;

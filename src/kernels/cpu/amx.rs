@@ -37,14 +37,25 @@ pub(crate) const TM: usize = 16;
 /// bf16 elements of a tile row (64 bytes).
 pub(crate) const TK: usize = 32;
 /// Elements of one tile.
-const TILE: usize = TM * TK;
+pub(crate) const TILE: usize = TM * TK;
 
 /// Component pairs `(a, b)` summed by a block product.
 pub(crate) type Terms = &'static [(usize, usize)];
 
-/// How an input dtype is split into bf16 components.
+/// What runs the bf16 pair products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unit {
+    /// The AMX tile unit (`TDPBF16PS`).
+    Tiles,
+    /// AVX-512 register tiles (`VDPBF16PS`, `super::dpbf16`), on the same operands.
+    Avx512Bf16,
+}
+
+/// How an input dtype is split into bf16 components, and what multiplies them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Plan {
+    /// The unit that runs the block products.
+    pub unit: Unit,
     /// Components of q, k and v (1 for bf16, 2 for f16).
     pub comps: usize,
     /// Components of the probabilities P (1 for bf16, 2 for f16).
@@ -57,6 +68,7 @@ pub(crate) struct Plan {
 
 /// bf16 inputs: exact single components.
 pub(crate) const PLAN_BF16: Plan = Plan {
+    unit: Unit::Tiles,
     comps: 1,
     p_comps: 1,
     qk: &[(0, 0)],
@@ -64,11 +76,85 @@ pub(crate) const PLAN_BF16: Plan = Plan {
 };
 /// f16 inputs: `hi + lo` components.
 pub(crate) const PLAN_F16: Plan = Plan {
+    unit: Unit::Tiles,
     comps: 2,
     p_comps: 2,
     qk: &[(0, 0), (0, 1), (1, 0)],
     pv: &[(0, 0), (0, 1), (1, 0)],
 };
+/// bf16 inputs on AVX512-BF16 register tiles (no AMX).
+pub(crate) const PLAN_BF16_AVX512: Plan = Plan {
+    unit: Unit::Avx512Bf16,
+    ..PLAN_BF16
+};
+
+impl Plan {
+    /// Prepares this thread for the block products (loads the tile configuration).
+    ///
+    /// # Safety
+    /// The plan's unit must be available: [`available`] for `Tiles`,
+    /// `dpbf16::available` for `Avx512Bf16`.
+    pub(crate) unsafe fn begin(&self) {
+        if self.unit == Unit::Tiles {
+            configure();
+        }
+    }
+
+    /// Ends the block products of [`Plan::begin`] (releases the tile state).
+    ///
+    /// # Safety
+    /// As for [`Plan::begin`].
+    pub(crate) unsafe fn end(&self) {
+        if self.unit == Unit::Tiles {
+            release();
+        }
+    }
+
+    /// [`qk`] on the plan's unit, with its operands.
+    ///
+    /// # Safety
+    /// As for [`qk`], after [`Plan::begin`] on this thread.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn qk(
+        &self,
+        qa: *const u16,
+        qcs: usize,
+        tiles: (usize, usize),
+        e: usize,
+        kb: *const u16,
+        kcs: usize,
+        s: *mut f32,
+        lds: usize,
+    ) {
+        match self.unit {
+            Unit::Tiles => qk(qa, qcs, tiles, e, kb, kcs, self.qk, s, lds),
+            Unit::Avx512Bf16 => super::dpbf16::qk(qa, qcs, tiles, e, kb, kcs, self.qk, s, lds),
+        }
+    }
+
+    /// [`pv`] on the plan's unit, with its operands.
+    ///
+    /// # Safety
+    /// As for [`pv`], after [`Plan::begin`] on this thread.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn pv(
+        &self,
+        pa: *const u16,
+        pcs: usize,
+        ldp: usize,
+        rtiles: usize,
+        vbs: &[*const u16],
+        vcs: usize,
+        nvp: usize,
+        o: *mut f32,
+        ldo: usize,
+    ) {
+        match self.unit {
+            Unit::Tiles => pv(pa, pcs, ldp, rtiles, vbs, vcs, nvp, self.pv, o, ldo),
+            Unit::Avx512Bf16 => super::dpbf16::pv(pa, pcs, ldp, rtiles, vbs, vcs, nvp, self.pv, o, ldo),
+        }
+    }
+}
 
 /// Whether this process can run the AMX kernel: the CPU reports AMX-TILE, AMX-BF16,
 /// AVX-512F and AVX512-BF16, and (Linux) the kernel granted the tile-data permission.
@@ -305,7 +391,8 @@ fn direct_rows<'a>(
 /// `rows` is scratch of `comps × BK × e_pad(e)` elements, `tmp` of `e` floats.
 ///
 /// # Safety
-/// [`available`] must have returned true.
+/// AVX-512F and AVX512-BF16 must be available ([`available`] or `dpbf16::available`
+/// returned true); no tile state is used.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn pack_k(
     k: &View,
@@ -343,7 +430,7 @@ pub(crate) unsafe fn pack_k(
                 let first = &src[panel * NR * rs + t * TK..(panel * NR + NR - 1) * rs + (t + 1) * TK];
                 // SAFETY: `first` holds the 16 key rows of 32 elements at stride `rs`
                 // (bounds checked by the slice), `tile` 16 rows of 32; the transpose
-                // only moves bits, and AVX-512F comes with `available()`.
+                // only moves bits, and AVX-512F comes with the caller's check.
                 unsafe {
                     super::avx512::transpose16(
                         first.as_ptr() as *const f32,
@@ -361,7 +448,8 @@ pub(crate) unsafe fn pack_k(
 /// elements). `rows` is scratch of `comps × BK × ceil(ev/16)·16` elements, `tmp` of `ev` floats.
 ///
 /// # Safety
-/// [`available`] must have returned true.
+/// AVX-512F and AVX512-BF16 must be available ([`available`] or `dpbf16::available`
+/// returned true); no tile state is used.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn pack_v(
@@ -401,7 +489,7 @@ pub(crate) unsafe fn pack_v(
                     // The two keys' 16 values interleaved: each 32-bit lane is the pair
                     // (k0[col], k1[col]), k0 in the low half.
                     // SAFETY: `k0`, `k1` hold 16 elements and `tile` row `r` 32 (bounds
-                    // checked by the slices); AVX-512F comes with `available()`.
+                    // checked by the slices); AVX-512F comes with the caller's check.
                     unsafe {
                         let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(k0.as_ptr() as *const __m256i));
                         let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(k1.as_ptr() as *const __m256i));

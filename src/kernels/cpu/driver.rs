@@ -603,7 +603,7 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
             (kbl, vbl),
             || (vec![0f32; e.max(ev)], vec![0u16; stage]),
             |(tmp, rows), (kc, vc), (bb, kvh, j0, nk)| {
-                // SAFETY: `p.amx` is only set after `amx::available()`.
+                // SAFETY: `p.amx` is only set after `amx::available()` or `dpbf16::available()`.
                 unsafe {
                     amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
                     amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
@@ -790,7 +790,7 @@ fn process_amx(
         if r < full_tiles * TM {
             return;
         }
-        // SAFETY: `p.amx` is only set after `amx::available()`; row `r` of each
+        // SAFETY: `p.amx` is only set after `amx::available()` or `dpbf16::available()`; row `r` of each
         // component holds `ep` elements of `ab.qa`.
         unsafe {
             let lo = if comps > 1 {
@@ -815,7 +815,7 @@ fn process_amx(
         return;
     }
     // SAFETY: as above.
-    unsafe { amx::configure() };
+    unsafe { plan.begin() };
     let kb_end = khi.div_ceil(BK);
     let mut kb0 = klo / BK;
     while kb0 < kb_end {
@@ -884,12 +884,12 @@ fn process_amx(
                     if let (Some((qs, ld)), true) = (q_src, mid > t0) {
                         let q0 = qs.add(t0 * TM * ld);
                         let s0 = sb.add(t0 * TM * SBK + bi * BK);
-                        amx::qk(q0, 0, (mid - t0, ld), e, kbp, kcs, plan.qk, s0, SBK);
+                        plan.qk(q0, 0, (mid - t0, ld), e, kbp, kcs, s0, SBK);
                     }
                     if t1 > mid {
                         let q0 = ab.qa.as_ptr().add(mid * TM * ep);
                         let s0 = sb.add(mid * TM * SBK + bi * BK);
-                        amx::qk(q0, qcs, (t1 - mid, ep), e, kbp, kcs, plan.qk, s0, SBK);
+                        plan.qk(q0, qcs, (t1 - mid, ep), e, kbp, kcs, s0, SBK);
                     }
                 };
                 t0 = t1;
@@ -910,7 +910,7 @@ fn process_amx(
                 mk.scale_add_row(bb, hh[r], ii[r], j0 + a, &mut row[a..z], c, LOG2_E);
                 cr = 1.0;
             }
-            // SAFETY: `p.amx` is only set after `amx::available()` (which includes
+            // SAFETY: `p.amx` is only set after `amx::available()` or `dpbf16::available()` (which includes
             // AVX-512F and AVX512-BF16); the row holds `nb·BK` floats and row `r` of both
             // P components `SBK` elements of `ab.pa` (`lo` is null with one component).
             let (m_new, al) = unsafe {
@@ -944,7 +944,7 @@ fn process_amx(
                 // stride `SBK` (tiles `t0..t1` from row `t0·TM`), each V block `vbl`
                 // elements, O `rows × evp` floats.
                 unsafe {
-                    amx::pv(
+                    plan.pv(
                         ab.pa.as_ptr().add(t0 * TM * SBK),
                         pcs,
                         SBK,
@@ -952,7 +952,6 @@ fn process_amx(
                         &vbs[..k],
                         vcs,
                         nvp,
-                        plan.pv,
                         ov.as_mut_ptr().add(t0 * TM * evp),
                         evp,
                     )
@@ -963,7 +962,7 @@ fn process_amx(
         kb0 += nb;
     }
     // SAFETY: as above.
-    unsafe { amx::release() };
+    unsafe { plan.end() };
     for (r, l) in lsum.iter_mut().enumerate().take(n) {
         *l = ab.l16[r * 16..(r + 1) * 16].iter().sum();
     }

@@ -34,6 +34,8 @@
 //!   accumulation) over 256-key super-blocks, with inputs split into exact bf16
 //!   components (see `amx` for the error bounds); the softmax stays in f32 on AVX-512,
 //!   with lazy rescaling and lane-wise row sums (`avx512::softmax_row_bf16`).
+//! * bf16 without AMX, on a CPU with AVX512-BF16 (AMD Zen 4): the same path, operands
+//!   and packs, with the two block products on `VDPBF16PS` register tiles (`dpbf16`).
 //! * Nothing here has a backward pass: the dispatcher (`crate::sdpa`) and `crate::Proj`
 //!   send tensors that record gradients to candle's ops instead.
 //! * Decode on AVX-512 reads f16/bf16 K/V rows in place and widens them in registers,
@@ -53,6 +55,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 mod decode;
+#[cfg(target_arch = "x86_64")]
+mod dpbf16;
 mod driver;
 mod exp;
 #[cfg(target_arch = "x86_64")]
@@ -489,6 +493,21 @@ fn sdpa_impl(
 pub fn amx_enabled() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        amx_plan(DType::F16, Isa::selected()).is_some()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether bf16 prefill runs its block products as bf16 pair products, on the AMX tile
+/// unit ([`amx_enabled`]) or, without it, on AVX512-BF16 register tiles (`VDPBF16PS`,
+/// unless `CANDLE_ATTENTION_AVX512BF16=0` is set; read per call). Otherwise bf16 is
+/// converted to f32 while packing and runs the f32 kernels.
+pub fn bf16_pairs_enabled() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
         amx_plan(DType::BF16, Isa::selected()).is_some()
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -499,15 +518,17 @@ pub fn amx_enabled() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 fn amx_plan(dtype: DType, isa: Isa) -> Option<amx::Plan> {
-    if isa != Isa::Avx512
-        || std::env::var("CANDLE_ATTENTION_AMX").is_ok_and(|v| v == "0")
-        || !amx::available()
-    {
+    let off = |var: &str| std::env::var(var).is_ok_and(|v| v == "0");
+    if isa != Isa::Avx512 {
         return None;
     }
+    let tiles = !off("CANDLE_ATTENTION_AMX") && amx::available();
     match dtype {
-        DType::BF16 => Some(amx::PLAN_BF16),
-        DType::F16 => Some(amx::PLAN_F16),
+        DType::BF16 if tiles => Some(amx::PLAN_BF16),
+        DType::F16 if tiles => Some(amx::PLAN_F16),
+        DType::BF16 if !off("CANDLE_ATTENTION_AVX512BF16") && dpbf16::available() => {
+            Some(amx::PLAN_BF16_AVX512)
+        }
         _ => None,
     }
 }
