@@ -603,7 +603,8 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
             (kbl, vbl),
             || (vec![0f32; e.max(ev)], vec![0u16; stage]),
             |(tmp, rows), (kc, vc), (bb, kvh, j0, nk)| {
-                // SAFETY: `p.amx` is only set after `amx::available()` or `dpbf16::available()`.
+                // SAFETY: `p.amx` is only set after `amx::available()` or
+                // `dpbf16::available()`.
                 unsafe {
                     amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
                     amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
@@ -790,8 +791,8 @@ fn process_amx(
         if r < full_tiles * TM {
             return;
         }
-        // SAFETY: `p.amx` is only set after `amx::available()` or `dpbf16::available()`; row `r` of each
-        // component holds `ep` elements of `ab.qa`.
+        // SAFETY: `p.amx` is only set after `amx::available()` or
+        // `dpbf16::available()`; row `r` of each component holds `ep` elements of `ab.qa`.
         unsafe {
             let lo = if comps > 1 {
                 qa.add(qcs + r * ep)
@@ -910,8 +911,8 @@ fn process_amx(
                 mk.scale_add_row(bb, hh[r], ii[r], j0 + a, &mut row[a..z], c, LOG2_E);
                 cr = 1.0;
             }
-            // SAFETY: `p.amx` is only set after `amx::available()` or `dpbf16::available()` (which includes
-            // AVX-512F and AVX512-BF16); the row holds `nb·BK` floats and row `r` of both
+            // SAFETY: `p.amx` is only set after `amx::available()` or `dpbf16::available()`
+            // (both include AVX-512F and AVX512-BF16); the row holds `nb·BK` floats and row `r` of both
             // P components `SBK` elements of `ab.pa` (`lo` is null with one component).
             let (m_new, al) = unsafe {
                 let lo_p = if plan.p_comps > 1 {
