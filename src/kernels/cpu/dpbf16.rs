@@ -175,31 +175,13 @@ pub(crate) unsafe fn pv(
                 o: o.add(r0 * ldo + cp * NR),
                 ldo,
             };
-            match (nr, nc) {
-                (6, 4) => pv_tile::<6, 4>(args),
-                (6, 3) => pv_tile::<6, 3>(args),
-                (6, 2) => pv_tile::<6, 2>(args),
-                (6, _) => pv_tile::<6, 1>(args),
-                (5, 4) => pv_tile::<5, 4>(args),
-                (5, 3) => pv_tile::<5, 3>(args),
-                (5, 2) => pv_tile::<5, 2>(args),
-                (5, _) => pv_tile::<5, 1>(args),
-                (4, 4) => pv_tile::<4, 4>(args),
-                (4, 3) => pv_tile::<4, 3>(args),
-                (4, 2) => pv_tile::<4, 2>(args),
-                (4, _) => pv_tile::<4, 1>(args),
-                (3, 4) => pv_tile::<3, 4>(args),
-                (3, 3) => pv_tile::<3, 3>(args),
-                (3, 2) => pv_tile::<3, 2>(args),
-                (3, _) => pv_tile::<3, 1>(args),
-                (2, 4) => pv_tile::<2, 4>(args),
-                (2, 3) => pv_tile::<2, 3>(args),
-                (2, 2) => pv_tile::<2, 2>(args),
-                (2, _) => pv_tile::<2, 1>(args),
-                (_, 4) => pv_tile::<1, 4>(args),
-                (_, 3) => pv_tile::<1, 3>(args),
-                (_, 2) => pv_tile::<1, 2>(args),
-                (_, _) => pv_tile::<1, 1>(args),
+            match nr {
+                6 => pv_cols::<6>(args, nc),
+                5 => pv_cols::<5>(args, nc),
+                4 => pv_cols::<4>(args, nc),
+                3 => pv_cols::<3>(args, nc),
+                2 => pv_cols::<2>(args, nc),
+                _ => pv_cols::<1>(args, nc),
             }
             cp += nc;
         }
@@ -219,6 +201,18 @@ struct PvArgs<'a> {
     terms: Terms,
     o: *mut f32,
     ldo: usize,
+}
+
+/// `R` rows × `nc` (1–4) column panels of [`pv`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pv_cols<const R: usize>(a: PvArgs, nc: usize) {
+    match nc {
+        4 => pv_tile::<R, 4>(a),
+        3 => pv_tile::<R, 3>(a),
+        2 => pv_tile::<R, 2>(a),
+        _ => pv_tile::<R, 1>(a),
+    }
 }
 
 /// `R` rows × `N` column panels of [`pv`].
