@@ -284,6 +284,10 @@ unsafe fn qk_dot_impl(
             let j1 = if j + 1 < nk { j + 1 } else { j };
             let k0p = k.add(j * ldk);
             let k1p = k.add(j1 * ldk);
+            if strip == 0 {
+                prefetch_row(k0p.wrapping_add(PF_KEYS * ldk), e * 4);
+                prefetch_row(k1p.wrapping_add(PF_KEYS * ldk), e * 4);
+            }
             let mut acc = [_mm256_setzero_ps(); 2 * MR];
             let mut x = 0;
             while x < e {
@@ -337,4 +341,120 @@ unsafe fn online_row_impl(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
         _mm_cvtss_f32(_mm256_castps256_ps128(exp2_256(_mm256_set1_ps(m_old - m_new))))
     };
     (m_new, alpha, exp2_sub_sum_impl(x, m_new))
+}
+
+/// How many keys ahead the decode kernels ask for K/V rows (software prefetch): they
+/// stream rows that are each read once.
+const PF_KEYS: usize = 16;
+
+/// Asks for the cache lines of `bytes` bytes from `p` (a hint that never faults, so `p`
+/// may point past the data).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn prefetch_row(p: *const f32, bytes: usize) {
+    let mut b = 0;
+    while b < bytes {
+        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(b));
+        b += 64;
+    }
+}
+
+/// Decode `O = alpha·O + P·V` for the first `live` rows, walking the V rows in key
+/// order, four keys at a time, each over all `ncols` columns (a multiple of 8). `p`: row
+/// stride [`BK`]; V row `j` at `v[j * ldv..]`; `o`: row stride `ldo`. Reading each
+/// streamed V row to its end before the next keeps DRAM reads sequential, where the
+/// panel kernel [`pv`] reads 16 columns of every row per pass.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pv_rows(
+    p: &[f32],
+    live: usize,
+    nk: usize,
+    v: &[f32],
+    ldv: usize,
+    ncols: usize,
+    o: &mut [f32],
+    ldo: usize,
+    alpha: &[f32],
+) {
+    assert!(BK >= nk && ncols.is_multiple_of(8) && ldo >= ncols && alpha.len() >= live);
+    assert!(live == 0 || p.len() >= (live - 1) * BK + nk);
+    assert!(nk == 0 || ncols == 0 || v.len() >= (nk - 1) * ldv + ncols);
+    assert!(live == 0 || o.len() >= (live - 1) * ldo + ncols);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        pv_rows_impl(
+            p.as_ptr(),
+            live,
+            nk,
+            v.as_ptr(),
+            ldv,
+            ncols,
+            o.as_mut_ptr(),
+            ldo,
+            alpha,
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pv_rows_impl(
+    p: *const f32,
+    live: usize,
+    nk: usize,
+    v: *const f32,
+    ldv: usize,
+    ncols: usize,
+    o: *mut f32,
+    ldo: usize,
+    alpha: &[f32],
+) {
+    for (r, &a) in alpha.iter().enumerate().take(live) {
+        if a != 1.0 {
+            let av = _mm256_set1_ps(a);
+            let orow = o.add(r * ldo);
+            for c in (0..ncols).step_by(8) {
+                _mm256_storeu_ps(orow.add(c), _mm256_mul_ps(av, _mm256_loadu_ps(orow.add(c))));
+            }
+        }
+    }
+    let rowb = ncols * 4;
+    let mut j = 0;
+    while j < nk {
+        let t = (nk - j).min(4);
+        for jj in 0..t {
+            prefetch_row(v.wrapping_add((j + jj + PF_KEYS) * ldv), rowb);
+        }
+        let vr = v.add(j * ldv);
+        for r in 0..live {
+            let pr = p.add(r * BK + j);
+            let orow = o.add(r * ldo);
+            if t == 4 {
+                let (p0, p1) = (_mm256_broadcast_ss(&*pr), _mm256_broadcast_ss(&*pr.add(1)));
+                let (p2, p3) = (_mm256_broadcast_ss(&*pr.add(2)), _mm256_broadcast_ss(&*pr.add(3)));
+                for c in (0..ncols).step_by(8) {
+                    let mut acc = _mm256_loadu_ps(orow.add(c));
+                    acc = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vr.add(c)), acc);
+                    acc = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vr.add(ldv + c)), acc);
+                    acc = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vr.add(2 * ldv + c)), acc);
+                    acc = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vr.add(3 * ldv + c)), acc);
+                    _mm256_storeu_ps(orow.add(c), acc);
+                }
+            } else {
+                for jj in 0..t {
+                    let pj = _mm256_broadcast_ss(&*pr.add(jj));
+                    let vj = vr.add(jj * ldv);
+                    for c in (0..ncols).step_by(8) {
+                        let acc =
+                            _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj.add(c)), _mm256_loadu_ps(orow.add(c)));
+                        _mm256_storeu_ps(orow.add(c), acc);
+                    }
+                }
+            }
+        }
+        j += t;
+    }
 }

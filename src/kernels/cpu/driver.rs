@@ -7,7 +7,7 @@ use super::pack::{
     k_block_len, pack_k, pack_v, v_block_len, AVec, AlignedBuf, MaskView, OutElem, View, BK, MR, NR,
 };
 #[cfg(target_arch = "x86_64")]
-use super::{amx, avx512};
+use super::{amx, avx2, avx512};
 use super::{par, Causal, Isa};
 use std::cell::RefCell;
 use std::f32::consts::LOG2_E;
@@ -1394,6 +1394,13 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             };
             #[cfg(not(target_arch = "x86_64"))]
             let _ = vd;
+        } else if cfg!(target_arch = "x86_64") && isa == Isa::Avx2Fma && matches!(src, KvSrc::Rows) {
+            // Decode on AVX2 walks each streamed V row to its end (`avx2::pv_rows`).
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
+            unsafe {
+                avx2::pv_rows(sb, n, nk, vsl, ldv, evp, o, evp, alpha)
+            };
         } else {
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
         }
