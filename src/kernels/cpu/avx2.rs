@@ -233,16 +233,9 @@ unsafe fn exp2_sub_sum_impl(x: &mut [f32], m: f32) -> f32 {
     lanes.iter().sum()
 }
 
-/// Horizontal sums of four vectors: `[Σa, Σb, Σc, Σd]`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
-    let t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
-}
-
-/// See [`super::portable::qk_dot`]: scores against row-major keys (decode path).
-/// `rows` must be a multiple of [`MR`] and `e` a multiple of 8.
+/// See [`super::portable::qk_dot`]: scores against row-major keys (decode path), for
+/// the first `live` of `rows` rows (the others are not written). `rows` must be a
+/// multiple of [`MR`] and `e` a multiple of 8.
 ///
 /// # Safety
 /// AVX2 and FMA must be available.
@@ -250,6 +243,7 @@ unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
 pub(super) unsafe fn qk_dot(
     q: &[f32],
     rows: usize,
+    live: usize,
     e: usize,
     k: &[f32],
     ldk: usize,
@@ -257,18 +251,20 @@ pub(super) unsafe fn qk_dot(
     s: &mut [f32],
     lds: usize,
 ) {
-    assert!(rows.is_multiple_of(MR) && e.is_multiple_of(8) && lds >= nk && q.len() >= rows * e);
+    assert!(
+        rows.is_multiple_of(MR) && live <= rows && e.is_multiple_of(8) && lds >= nk && q.len() >= rows * e
+    );
     assert!(nk == 0 || k.len() >= (nk - 1) * ldk + e);
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe { qk_dot_impl(q.as_ptr(), rows, e, k.as_ptr(), ldk, nk, s.as_mut_ptr(), lds) }
+    unsafe { qk_dot_impl(q.as_ptr(), live, e, k.as_ptr(), ldk, nk, s.as_mut_ptr(), lds) }
 }
 
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn qk_dot_impl(
     q: *const f32,
-    rows: usize,
+    live: usize,
     e: usize,
     k: *const f32,
     ldk: usize,
@@ -276,44 +272,71 @@ unsafe fn qk_dot_impl(
     s: *mut f32,
     lds: usize,
 ) {
-    for strip in 0..rows / MR {
-        let qs = q.add(strip * MR * e);
-        let mut j = 0;
-        while j < nk {
-            // Two keys per pass (the second duplicates the first at an odd tail).
-            let j1 = if j + 1 < nk { j + 1 } else { j };
-            let k0p = k.add(j * ldk);
-            let k1p = k.add(j1 * ldk);
-            if strip == 0 {
-                prefetch_row(k0p.wrapping_add(PF_KEYS * ldk), e * 4);
-                prefetch_row(k1p.wrapping_add(PF_KEYS * ldk), e * 4);
-            }
-            let mut acc = [_mm256_setzero_ps(); 2 * MR];
-            let mut x = 0;
-            while x < e {
-                let k0 = _mm256_loadu_ps(k0p.add(x));
-                let k1 = _mm256_loadu_ps(k1p.add(x));
-                for r in 0..MR {
-                    let a = _mm256_loadu_ps(qs.add(r * e + x));
-                    acc[2 * r] = _mm256_fmadd_ps(a, k0, acc[2 * r]);
-                    acc[2 * r + 1] = _mm256_fmadd_ps(a, k1, acc[2 * r + 1]);
-                }
-                x += 8;
-            }
-            for rr in 0..MR / 2 {
-                let v = hsum4(acc[4 * rr], acc[4 * rr + 1], acc[4 * rr + 2], acc[4 * rr + 3]);
-                let mut t = [0f32; 4];
-                _mm_storeu_ps(t.as_mut_ptr(), v);
-                let r0 = strip * MR + 2 * rr;
-                *s.add(r0 * lds + j) = t[0];
-                *s.add((r0 + 1) * lds + j) = t[2];
-                if j1 != j {
-                    *s.add(r0 * lds + j1) = t[1];
-                    *s.add((r0 + 1) * lds + j1) = t[3];
-                }
-            }
-            j += 2;
+    // Strips of up to `MR` live rows; padding rows are skipped (decode has few live
+    // rows: one per query head of the group). The first strip asks for the K rows
+    // `PF_KEYS` ahead, which are read once.
+    let mut r0 = 0;
+    while r0 < live {
+        let r = (live - r0).min(MR);
+        let (qs, sp, pf) = (q.add(r0 * e), s.add(r0 * lds), r0 == 0);
+        match r {
+            1 => qk_dot_strip::<1, 4>(qs, e, k, ldk, nk, sp, lds, pf),
+            2 => qk_dot_strip::<2, 4>(qs, e, k, ldk, nk, sp, lds, pf),
+            3 => qk_dot_strip::<3, 4>(qs, e, k, ldk, nk, sp, lds, pf),
+            4 => qk_dot_strip::<4, 2>(qs, e, k, ldk, nk, sp, lds, pf),
+            5 => qk_dot_strip::<5, 2>(qs, e, k, ldk, nk, sp, lds, pf),
+            _ => qk_dot_strip::<6, 2>(qs, e, k, ldk, nk, sp, lds, pf),
         }
+        r0 += r;
+    }
+}
+
+/// Scores of `R` row-major Q rows against `NK` keys per pass (`R·NK ≤ 12` accumulators).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn qk_dot_strip<const R: usize, const NK: usize>(
+    qs: *const f32,
+    e: usize,
+    k: *const f32,
+    ldk: usize,
+    nk: usize,
+    s: *mut f32,
+    lds: usize,
+    pf: bool,
+) {
+    let mut j = 0;
+    while j < nk {
+        let t = (nk - j).min(NK);
+        // (At a tail, the missing keys repeat the last one and are not stored.)
+        let mut kp = [k; NK];
+        for (c, p) in kp.iter_mut().enumerate() {
+            *p = k.add((j + c.min(t - 1)) * ldk);
+            if pf && c < t {
+                prefetch_row(p.wrapping_add(PF_KEYS * ldk), e * 4);
+            }
+        }
+        let mut acc = [[_mm256_setzero_ps(); NK]; R];
+        let mut x = 0;
+        while x < e {
+            let mut kv = [_mm256_setzero_ps(); NK];
+            for c in 0..NK {
+                kv[c] = _mm256_loadu_ps(kp[c].add(x));
+            }
+            for (r, ar) in acc.iter_mut().enumerate() {
+                let a = _mm256_loadu_ps(qs.add(r * e + x));
+                for c in 0..NK {
+                    ar[c] = _mm256_fmadd_ps(a, kv[c], ar[c]);
+                }
+            }
+            x += 8;
+        }
+        for (r, ar) in acc.iter().enumerate() {
+            for (c, &v) in ar.iter().enumerate().take(t) {
+                *s.add(r * lds + j + c) = hsum(v);
+            }
+        }
+        j += t;
     }
 }
 

@@ -136,7 +136,7 @@ impl View<'_> {
     }
 }
 
-/// bf16 → f32 is a 16-bit shift (AVX-512 where available, else auto-vectorised).
+/// bf16 → f32 is a 16-bit shift (AVX-512 or AVX2 where available, else auto-vectorised).
 #[inline]
 fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -144,6 +144,11 @@ fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: AVX-512F was detected just above.
             unsafe { bf16_to_f32_avx512(src, dst) };
+            return;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected just above.
+            unsafe { bf16_to_f32_avx2(src, dst) };
             return;
         }
     }
@@ -166,6 +171,36 @@ unsafe fn bf16_to_f32_avx512(src: &[bf16], dst: &mut [f32]) {
         let w = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
         _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_castsi512_ps(w));
         i += 16;
+    }
+    for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
+        *d = f32::from_bits((s.to_bits() as u32) << 16);
+    }
+}
+
+/// How many half-precision elements ahead the AVX2 and F16C conversions ask for their
+/// source (1 KiB).
+#[cfg(target_arch = "x86_64")]
+const PF_HALF: usize = 512;
+
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn bf16_to_f32_avx2(src: &[bf16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        if i.is_multiple_of(32) {
+            // Long conversions stream from DRAM (half-precision decode converts whole
+            // K/V blocks): ask for the line 1 KiB ahead (a hint that never faults).
+            _mm_prefetch::<_MM_HINT_T0>(src.as_ptr().wrapping_add(i + PF_HALF) as *const i8);
+        }
+        // SAFETY: `i + 8 <= n` elements are in bounds of both slices.
+        let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+        let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_castsi256_ps(w));
+        i += 8;
     }
     for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
         *d = f32::from_bits((s.to_bits() as u32) << 16);
@@ -195,6 +230,10 @@ unsafe fn f16_to_f32_f16c(src: &[f16], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
     let mut i = 0;
     while i + 8 <= n {
+        if i.is_multiple_of(32) {
+            // As in `bf16_to_f32_avx2`.
+            _mm_prefetch::<_MM_HINT_T0>(src.as_ptr().wrapping_add(i + PF_HALF) as *const i8);
+        }
         // SAFETY: `i + 8 <= n` elements are in bounds of both slices.
         let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
         _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
