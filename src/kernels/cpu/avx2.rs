@@ -5,7 +5,7 @@
 //! dispatcher only selects `Isa::Avx2Fma` after runtime detection.
 
 use super::exp::avx2::{exp2_256, exp2_256_nonpos};
-use super::pack::{BK, NR};
+use super::pack::{Data, BK, NR};
 use std::arch::x86_64::*;
 
 /// Rows per register tile.
@@ -233,9 +233,37 @@ unsafe fn exp2_sub_sum_impl(x: &mut [f32], m: f32) -> f32 {
     lanes.iter().sum()
 }
 
+/// Element kinds of the K/V rows that the decode kernels read in place.
+const F32: u8 = 0;
+const BF16: u8 = 1;
+
+/// Eight elements of kind `T` at element index `idx` of `p`, as f32 (bf16 → f32 is a
+/// 16-bit shift).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load8<const T: u8>(p: *const u8, idx: usize) -> __m256 {
+    if T == F32 {
+        _mm256_loadu_ps((p as *const f32).add(idx))
+    } else {
+        let h = _mm_loadu_si128((p as *const u16).add(idx) as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+}
+
+/// The f32 or bf16 rows of `d` (other kinds are converted before the kernels run) as
+/// `(pointer, element count, kind)`.
+fn rows_of(d: Data) -> (*const u8, usize, u8) {
+    match d {
+        Data::F32(v) => (v.as_ptr() as *const u8, v.len(), F32),
+        Data::BF16(v) => (v.as_ptr() as *const u8, v.len(), BF16),
+        Data::F16(_) => unreachable!("f16 decode rows are converted to f32 on AVX2"),
+    }
+}
+
 /// See [`super::portable::qk_dot`]: scores against row-major keys (decode path), for
 /// the first `live` of `rows` rows (the others are not written). `rows` must be a
-/// multiple of [`MR`] and `e` a multiple of 8.
+/// multiple of [`MR`] and `e` a multiple of 8. `k` holds f32 or bf16 rows (bf16 rows
+/// are read in place and widened in registers); not f16.
 ///
 /// # Safety
 /// AVX2 and FMA must be available.
@@ -245,28 +273,36 @@ pub(super) unsafe fn qk_dot(
     rows: usize,
     live: usize,
     e: usize,
-    k: &[f32],
+    k: Data,
     ldk: usize,
     nk: usize,
     s: &mut [f32],
     lds: usize,
 ) {
+    let (kp, len, kind) = rows_of(k);
     assert!(
         rows.is_multiple_of(MR) && live <= rows && e.is_multiple_of(8) && lds >= nk && q.len() >= rows * e
     );
-    assert!(nk == 0 || k.len() >= (nk - 1) * ldk + e);
+    assert!(nk == 0 || len >= (nk - 1) * ldk + e);
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
+    let (q, s) = (q.as_ptr(), s.as_mut_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe { qk_dot_impl(q.as_ptr(), live, e, k.as_ptr(), ldk, nk, s.as_mut_ptr(), lds) }
+    unsafe {
+        if kind == F32 {
+            qk_dot_impl::<F32>(q, live, e, kp, ldk, nk, s, lds)
+        } else {
+            qk_dot_impl::<BF16>(q, live, e, kp, ldk, nk, s, lds)
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn qk_dot_impl(
+unsafe fn qk_dot_impl<const T: u8>(
     q: *const f32,
     live: usize,
     e: usize,
-    k: *const f32,
+    k: *const u8,
     ldk: usize,
     nk: usize,
     s: *mut f32,
@@ -280,40 +316,42 @@ unsafe fn qk_dot_impl(
         let r = (live - r0).min(MR);
         let (qs, sp, pf) = (q.add(r0 * e), s.add(r0 * lds), r0 == 0);
         match r {
-            1 => qk_dot_strip::<1, 4>(qs, e, k, ldk, nk, sp, lds, pf),
-            2 => qk_dot_strip::<2, 4>(qs, e, k, ldk, nk, sp, lds, pf),
-            3 => qk_dot_strip::<3, 4>(qs, e, k, ldk, nk, sp, lds, pf),
-            4 => qk_dot_strip::<4, 2>(qs, e, k, ldk, nk, sp, lds, pf),
-            5 => qk_dot_strip::<5, 2>(qs, e, k, ldk, nk, sp, lds, pf),
-            _ => qk_dot_strip::<6, 2>(qs, e, k, ldk, nk, sp, lds, pf),
+            1 => qk_dot_strip::<T, 1, 4>(qs, e, k, ldk, nk, sp, lds, pf),
+            2 => qk_dot_strip::<T, 2, 4>(qs, e, k, ldk, nk, sp, lds, pf),
+            3 => qk_dot_strip::<T, 3, 4>(qs, e, k, ldk, nk, sp, lds, pf),
+            4 => qk_dot_strip::<T, 4, 2>(qs, e, k, ldk, nk, sp, lds, pf),
+            5 => qk_dot_strip::<T, 5, 2>(qs, e, k, ldk, nk, sp, lds, pf),
+            _ => qk_dot_strip::<T, 6, 2>(qs, e, k, ldk, nk, sp, lds, pf),
         }
         r0 += r;
     }
 }
 
-/// Scores of `R` row-major Q rows against `NK` keys per pass (`R·NK ≤ 12` accumulators).
+/// Scores of `R` row-major Q rows against `NK` keys of kind `T` per pass (`R·NK ≤ 12`
+/// accumulators).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn qk_dot_strip<const R: usize, const NK: usize>(
+unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
     qs: *const f32,
     e: usize,
-    k: *const f32,
+    k: *const u8,
     ldk: usize,
     nk: usize,
     s: *mut f32,
     lds: usize,
     pf: bool,
 ) {
+    let size = if T == F32 { 4 } else { 2 };
     let mut j = 0;
     while j < nk {
         let t = (nk - j).min(NK);
         // (At a tail, the missing keys repeat the last one and are not stored.)
-        let mut kp = [k; NK];
+        let mut kp = [0usize; NK];
         for (c, p) in kp.iter_mut().enumerate() {
-            *p = k.add((j + c.min(t - 1)) * ldk);
+            *p = (j + c.min(t - 1)) * ldk;
             if pf && c < t {
-                prefetch_row(p.wrapping_add(PF_KEYS * ldk), e * 4);
+                prefetch_bytes(k.wrapping_add((*p + PF_KEYS * ldk) * size), e * size);
             }
         }
         let mut acc = [[_mm256_setzero_ps(); NK]; R];
@@ -321,7 +359,7 @@ unsafe fn qk_dot_strip<const R: usize, const NK: usize>(
         while x < e {
             let mut kv = [_mm256_setzero_ps(); NK];
             for c in 0..NK {
-                kv[c] = _mm256_loadu_ps(kp[c].add(x));
+                kv[c] = load8::<T>(k, kp[c] + x);
             }
             for (r, ar) in acc.iter_mut().enumerate() {
                 let a = _mm256_loadu_ps(qs.add(r * e + x));
@@ -374,7 +412,7 @@ const PF_KEYS: usize = 16;
 /// may point past the data).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn prefetch_row(p: *const f32, bytes: usize) {
+unsafe fn prefetch_bytes(p: *const u8, bytes: usize) {
     let mut b = 0;
     while b < bytes {
         _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(b));
@@ -384,9 +422,10 @@ unsafe fn prefetch_row(p: *const f32, bytes: usize) {
 
 /// Decode `O = alpha·O + P·V` for the first `live` rows, walking the V rows in key
 /// order, four keys at a time, each over all `ncols` columns (a multiple of 8). `p`: row
-/// stride [`BK`]; V row `j` at `v[j * ldv..]`; `o`: row stride `ldo`. Reading each
-/// streamed V row to its end before the next keeps DRAM reads sequential, where the
-/// panel kernel [`pv`] reads 16 columns of every row per pass.
+/// stride [`BK`]; V row `j` at element `j * ldv` of `v` (f32, or bf16 read in place and
+/// widened in registers; not f16); `o`: row stride `ldo`. Reading each streamed V row
+/// to its end before the next keeps DRAM reads sequential, where the panel kernel
+/// [`pv`] reads 16 columns of every row per pass.
 ///
 /// # Safety
 /// AVX2 and FMA must be available.
@@ -395,40 +434,36 @@ pub(super) unsafe fn pv_rows(
     p: &[f32],
     live: usize,
     nk: usize,
-    v: &[f32],
+    v: Data,
     ldv: usize,
     ncols: usize,
     o: &mut [f32],
     ldo: usize,
     alpha: &[f32],
 ) {
+    let (vp, len, kind) = rows_of(v);
     assert!(BK >= nk && ncols.is_multiple_of(8) && ldo >= ncols && alpha.len() >= live);
     assert!(live == 0 || p.len() >= (live - 1) * BK + nk);
-    assert!(nk == 0 || ncols == 0 || v.len() >= (nk - 1) * ldv + ncols);
+    assert!(nk == 0 || ncols == 0 || len >= (nk - 1) * ldv + ncols);
     assert!(live == 0 || o.len() >= (live - 1) * ldo + ncols);
+    let (p, o) = (p.as_ptr(), o.as_mut_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
-        pv_rows_impl(
-            p.as_ptr(),
-            live,
-            nk,
-            v.as_ptr(),
-            ldv,
-            ncols,
-            o.as_mut_ptr(),
-            ldo,
-            alpha,
-        )
+        if kind == F32 {
+            pv_rows_impl::<F32>(p, live, nk, vp, ldv, ncols, o, ldo, alpha)
+        } else {
+            pv_rows_impl::<BF16>(p, live, nk, vp, ldv, ncols, o, ldo, alpha)
+        }
     }
 }
 
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pv_rows_impl(
+unsafe fn pv_rows_impl<const T: u8>(
     p: *const f32,
     live: usize,
     nk: usize,
-    v: *const f32,
+    v: *const u8,
     ldv: usize,
     ncols: usize,
     o: *mut f32,
@@ -444,14 +479,14 @@ unsafe fn pv_rows_impl(
             }
         }
     }
-    let rowb = ncols * 4;
+    let size = if T == F32 { 4 } else { 2 };
     let mut j = 0;
     while j < nk {
         let t = (nk - j).min(4);
         for jj in 0..t {
-            prefetch_row(v.wrapping_add((j + jj + PF_KEYS) * ldv), rowb);
+            prefetch_bytes(v.wrapping_add((j + jj + PF_KEYS) * ldv * size), ncols * size);
         }
-        let vr = v.add(j * ldv);
+        let vr = j * ldv;
         for r in 0..live {
             let pr = p.add(r * BK + j);
             let orow = o.add(r * ldo);
@@ -460,20 +495,18 @@ unsafe fn pv_rows_impl(
                 let (p2, p3) = (_mm256_broadcast_ss(&*pr.add(2)), _mm256_broadcast_ss(&*pr.add(3)));
                 for c in (0..ncols).step_by(8) {
                     let mut acc = _mm256_loadu_ps(orow.add(c));
-                    acc = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vr.add(c)), acc);
-                    acc = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vr.add(ldv + c)), acc);
-                    acc = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vr.add(2 * ldv + c)), acc);
-                    acc = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vr.add(3 * ldv + c)), acc);
+                    acc = _mm256_fmadd_ps(p0, load8::<T>(v, vr + c), acc);
+                    acc = _mm256_fmadd_ps(p1, load8::<T>(v, vr + ldv + c), acc);
+                    acc = _mm256_fmadd_ps(p2, load8::<T>(v, vr + 2 * ldv + c), acc);
+                    acc = _mm256_fmadd_ps(p3, load8::<T>(v, vr + 3 * ldv + c), acc);
                     _mm256_storeu_ps(orow.add(c), acc);
                 }
             } else {
                 for jj in 0..t {
                     let pj = _mm256_broadcast_ss(&*pr.add(jj));
-                    let vj = vr.add(jj * ldv);
                     for c in (0..ncols).step_by(8) {
-                        let acc =
-                            _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj.add(c)), _mm256_loadu_ps(orow.add(c)));
-                        _mm256_storeu_ps(orow.add(c), acc);
+                        let vj = load8::<T>(v, vr + jj * ldv + c);
+                        _mm256_storeu_ps(orow.add(c), _mm256_fmadd_ps(pj, vj, _mm256_loadu_ps(orow.add(c))));
                     }
                 }
             }

@@ -1175,6 +1175,15 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         && e.is_multiple_of(16)
         && ev.is_multiple_of(16)
         && raw_rows_ok(p);
+    // On AVX2, bf16 decode rows are read in place too (`avx2::qk_dot`, `avx2::pv_rows`;
+    // f16 rows are converted to f32 first).
+    #[cfg(target_arch = "x86_64")]
+    let raw2 = matches!(src, KvSrc::Rows)
+        && isa == Isa::Avx2Fma
+        && e.is_multiple_of(K_ALIGN)
+        && ev.is_multiple_of(V_ALIGN)
+        && raw_rows_ok(p)
+        && matches!(p.k.data, super::pack::Data::BF16(_));
     // (q, k and v share one dtype: `sdpa_impl` checks it.)
     #[cfg(target_arch = "x86_64")]
     let split = raw && matches!(p.k.data, super::pack::Data::BF16(_));
@@ -1327,11 +1336,16 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         // (V operand, V panel stride, V row stride)
         let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
             #[cfg(target_arch = "x86_64")]
-            KvSrc::Rows if raw => {
+            KvSrc::Rows if raw || raw2 => {
                 let (kd, ldk) = rows_raw(&p.k, bb, kvh, j0, nk, e);
                 let (vd, ldv) = rows_raw(&p.v, bb, kvh, j0, nk, ev);
-                // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
-                unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, ldk, nk, sb, BK) };
+                if raw {
+                    // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
+                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, ldk, nk, sb, BK) };
+                } else {
+                    // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
+                    unsafe { avx2::qk_dot(qb, rows, n, e, kd, ldk, nk, sb, BK) };
+                }
                 raw_v = Some(vd);
                 (&[][..], NR, ldv)
             }
@@ -1388,10 +1402,13 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             }
         } else if let Some(vd) = raw_v {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `raw_v` is only set on the `Isa::Avx512` path.
-            unsafe {
-                avx512::pv_raw(sb, rows, n, nk, vd, vps, ldv, nvp, o, evp, alpha)
-            };
+            if raw {
+                // SAFETY: `raw` is only set on the `Isa::Avx512` path.
+                unsafe { avx512::pv_raw(sb, rows, n, nk, vd, vps, ldv, nvp, o, evp, alpha) };
+            } else {
+                // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path, with bf16 rows.
+                unsafe { avx2::pv_rows(sb, n, nk, vd, ldv, evp, o, evp, alpha) };
+            }
             #[cfg(not(target_arch = "x86_64"))]
             let _ = vd;
         } else if cfg!(target_arch = "x86_64") && isa == Isa::Avx2Fma && matches!(src, KvSrc::Rows) {
@@ -1399,7 +1416,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
             unsafe {
-                avx2::pv_rows(sb, n, nk, vsl, ldv, evp, o, evp, alpha)
+                avx2::pv_rows(sb, n, nk, super::pack::Data::F32(vsl), ldv, evp, o, evp, alpha)
             };
         } else {
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);

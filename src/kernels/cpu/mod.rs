@@ -224,7 +224,7 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         if self == Isa::Avx2Fma {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
-            return unsafe { avx2::qk_dot(q, rows, live, e, k, ldk, nk, s, lds) };
+            return unsafe { avx2::qk_dot(q, rows, live, e, pack::Data::F32(k), ldk, nk, s, lds) };
         }
         portable::qk_dot(q, rows, e, k, ldk, nk, s, lds)
     }
