@@ -1,7 +1,7 @@
 //! AVX2 + FMA micro-kernels: 6×16 register tiles (12 accumulators, 2 panel loads,
 //! 1 broadcast = 15 of the 16 ymm registers).
 //!
-//! Every function here is `unsafe` and requires a CPU with AVX2 and FMA; the
+//! Every function here is `unsafe` and requires a CPU with AVX2, FMA and F16C; the
 //! dispatcher only selects `Isa::Avx2Fma` after runtime detection.
 
 use super::exp::avx2::{exp2_256, exp2_256_nonpos};
@@ -236,37 +236,41 @@ unsafe fn exp2_sub_sum_impl(x: &mut [f32], m: f32) -> f32 {
 /// Element kinds of the K/V rows that the decode kernels read in place.
 const F32: u8 = 0;
 const BF16: u8 = 1;
+const F16: u8 = 2;
 
 /// Eight elements of kind `T` at element index `idx` of `p`, as f32 (bf16 → f32 is a
-/// 16-bit shift).
+/// 16-bit shift, f16 → f32 one F16C conversion).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn load8<const T: u8>(p: *const u8, idx: usize) -> __m256 {
     if T == F32 {
         _mm256_loadu_ps((p as *const f32).add(idx))
     } else {
         let h = _mm_loadu_si128((p as *const u16).add(idx) as *const __m128i);
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        if T == BF16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            _mm256_cvtph_ps(h)
+        }
     }
 }
 
-/// The f32 or bf16 rows of `d` (other kinds are converted before the kernels run) as
-/// `(pointer, element count, kind)`.
+/// The rows of `d` as `(pointer, element count, kind)`.
 fn rows_of(d: Data) -> (*const u8, usize, u8) {
     match d {
         Data::F32(v) => (v.as_ptr() as *const u8, v.len(), F32),
         Data::BF16(v) => (v.as_ptr() as *const u8, v.len(), BF16),
-        Data::F16(_) => unreachable!("f16 decode rows are converted to f32 on AVX2"),
+        Data::F16(v) => (v.as_ptr() as *const u8, v.len(), F16),
     }
 }
 
 /// See [`super::portable::qk_dot`]: scores against row-major keys (decode path), for
 /// the first `live` of `rows` rows (the others are not written). `rows` must be a
-/// multiple of [`MR`] and `e` a multiple of 8. `k` holds f32 or bf16 rows (bf16 rows
-/// are read in place and widened in registers); not f16.
+/// multiple of [`MR`] and `e` a multiple of 8. `k` holds f32, bf16 or f16 rows (half
+/// precision is read in place and widened in registers).
 ///
 /// # Safety
-/// AVX2 and FMA must be available.
+/// AVX2, FMA and F16C must be available.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn qk_dot(
     q: &[f32],
@@ -288,16 +292,16 @@ pub(super) unsafe fn qk_dot(
     let (q, s) = (q.as_ptr(), s.as_mut_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
-        if kind == F32 {
-            qk_dot_impl::<F32>(q, live, e, kp, ldk, nk, s, lds)
-        } else {
-            qk_dot_impl::<BF16>(q, live, e, kp, ldk, nk, s, lds)
+        match kind {
+            F32 => qk_dot_impl::<F32>(q, live, e, kp, ldk, nk, s, lds),
+            BF16 => qk_dot_impl::<BF16>(q, live, e, kp, ldk, nk, s, lds),
+            _ => qk_dot_impl::<F16>(q, live, e, kp, ldk, nk, s, lds),
         }
     }
 }
 
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk_dot_impl<const T: u8>(
     q: *const f32,
     live: usize,
@@ -331,7 +335,7 @@ unsafe fn qk_dot_impl<const T: u8>(
 /// accumulators).
 #[allow(clippy::too_many_arguments)]
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
     qs: *const f32,
     e: usize,
@@ -411,7 +415,7 @@ const PF_KEYS: usize = 16;
 /// Asks for the cache lines of `bytes` bytes from `p` (a hint that never faults, so `p`
 /// may point past the data).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn prefetch_bytes(p: *const u8, bytes: usize) {
     let mut b = 0;
     while b < bytes {
@@ -422,13 +426,13 @@ unsafe fn prefetch_bytes(p: *const u8, bytes: usize) {
 
 /// Decode `O = alpha·O + P·V` for the first `live` rows, walking the V rows in key
 /// order, four keys at a time, each over all `ncols` columns (a multiple of 8). `p`: row
-/// stride [`BK`]; V row `j` at element `j * ldv` of `v` (f32, or bf16 read in place and
-/// widened in registers; not f16); `o`: row stride `ldo`. Reading each streamed V row
+/// stride [`BK`]; V row `j` at element `j * ldv` of `v` (f32, or half precision read in
+/// place and widened in registers); `o`: row stride `ldo`. Reading each streamed V row
 /// to its end before the next keeps DRAM reads sequential, where the panel kernel
 /// [`pv`] reads 16 columns of every row per pass.
 ///
 /// # Safety
-/// AVX2 and FMA must be available.
+/// AVX2, FMA and F16C must be available.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn pv_rows(
     p: &[f32],
@@ -449,16 +453,16 @@ pub(super) unsafe fn pv_rows(
     let (p, o) = (p.as_ptr(), o.as_mut_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
-        if kind == F32 {
-            pv_rows_impl::<F32>(p, live, nk, vp, ldv, ncols, o, ldo, alpha)
-        } else {
-            pv_rows_impl::<BF16>(p, live, nk, vp, ldv, ncols, o, ldo, alpha)
+        match kind {
+            F32 => pv_rows_impl::<F32>(p, live, nk, vp, ldv, ncols, o, ldo, alpha),
+            BF16 => pv_rows_impl::<BF16>(p, live, nk, vp, ldv, ncols, o, ldo, alpha),
+            _ => pv_rows_impl::<F16>(p, live, nk, vp, ldv, ncols, o, ldo, alpha),
         }
     }
 }
 
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_rows_impl<const T: u8>(
     p: *const f32,
     live: usize,

@@ -1175,15 +1175,14 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         && e.is_multiple_of(16)
         && ev.is_multiple_of(16)
         && raw_rows_ok(p);
-    // On AVX2, bf16 decode rows are read in place too (`avx2::qk_dot`, `avx2::pv_rows`;
-    // f16 rows are converted to f32 first).
+    // On AVX2, half-precision decode rows are read in place too (`avx2::qk_dot`,
+    // `avx2::pv_rows`).
     #[cfg(target_arch = "x86_64")]
     let raw2 = matches!(src, KvSrc::Rows)
         && isa == Isa::Avx2Fma
         && e.is_multiple_of(K_ALIGN)
         && ev.is_multiple_of(V_ALIGN)
-        && raw_rows_ok(p)
-        && matches!(p.k.data, super::pack::Data::BF16(_));
+        && raw_rows_ok(p);
     // (q, k and v share one dtype: `sdpa_impl` checks it.)
     #[cfg(target_arch = "x86_64")]
     let split = raw && matches!(p.k.data, super::pack::Data::BF16(_));
@@ -1406,7 +1405,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 // SAFETY: `raw` is only set on the `Isa::Avx512` path.
                 unsafe { avx512::pv_raw(sb, rows, n, nk, vd, vps, ldv, nvp, o, evp, alpha) };
             } else {
-                // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path, with bf16 rows.
+                // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path.
                 unsafe { avx2::pv_rows(sb, n, nk, vd, ldv, evp, o, evp, alpha) };
             }
             #[cfg(not(target_arch = "x86_64"))]

@@ -113,8 +113,11 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("avx512dq")
             }
             #[cfg(target_arch = "x86_64")]
+            // F16C for the decode kernels' f16 rows (`avx2::qk_dot`; every AVX2 CPU has it).
             Isa::Avx2Fma => {
-                std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
