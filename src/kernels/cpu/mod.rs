@@ -14,8 +14,9 @@
 //!   buffer for its next call (a fresh one costs a page fault per 4 KiB).
 //! * One row block per group: K/V are packed block by block inside the item; with few
 //!   query rows per group (decode, `G·L` ≤ 24) K/V rows are read straight from the
-//!   source (f32) or converted row by row (f16/bf16) and fed to a dot-product score
-//!   kernel, so each K/V row is streamed once per GQA group. When there are fewer
+//!   source (f32, and f16/bf16 with unit inner stride on AVX2 and AVX-512) or converted
+//!   block by block (f16/bf16 otherwise) and fed to a dot-product score kernel, so each
+//!   K/V row is streamed once per GQA group. When there are fewer
 //!   groups than 2 × threads, the key range is split across items and merged with
 //!   log-sum-exp.
 //! * Register-blocked micro-kernels for `S = Q·Kᵀ` and `O = α·O + P·V`: AVX-512F/DQ
@@ -39,7 +40,14 @@
 //! * Nothing here has a backward pass: the dispatcher (`crate::sdpa`) and `crate::Proj`
 //!   send tensors that record gradients to candle's ops instead.
 //! * Decode on AVX-512 reads f16/bf16 K/V rows in place and widens them in registers,
-//!   asking for each K/V row 16 keys ahead (software prefetch).
+//!   asking for each K/V row 16 keys ahead (software prefetch). On AVX2 the decode
+//!   kernels do the same (f16 with F16C): scores only for the live rows
+//!   (`avx2::qk_dot`), and a `P·V` that walks each V row to its end, four keys at a
+//!   time (`avx2::pv_rows`), where the panel kernel reads 16 columns of every row per
+//!   pass.
+//! * On AVX2 the softmax updates a block's rows in one call, each row read into eight
+//!   registers, in two passes over all rows (`avx2::online_rows_block`), with a `2^x`
+//!   for `x ≤ 0` of 13 instructions (`exp::avx2::exp2_256_nonpos`).
 //! * Causal / sliding-window visibility through loop bounds: hidden key blocks are
 //!   skipped, only edge blocks are masked, and on edge blocks each 6-row strip only
 //!   computes the key panels it can see. Optional additive mask with broadcasting; a
