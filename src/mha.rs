@@ -502,7 +502,8 @@ mod tests {
     /// (which distinct key and value tensors take) and the reference SDPA, batch-first or
     /// not, causal or not, without a mask and with each kind of mask split by batch row: a
     /// bool key-padding mask (one row fully padded), a float `(L, S)` mask and a bool
-    /// `(N·H, L, S)` mask. On an AVX-512 machine with several threads the path is taken.
+    /// `(N·H, L, S)` mask. On an AVX-512 or AVX2 machine with several threads the path is
+    /// taken.
     #[test]
     fn per_batch_rows_equal_the_whole_batch() -> Result<()> {
         let (e, h, n, l) = (64, 4, 6, 70);
@@ -541,8 +542,8 @@ mod tests {
                         x.transpose(0, 1)?
                     };
                     let qkv = mha.qkv.as_ref().expect("self-attention has one input projection");
-                    let kernel =
-                        crate::kernels::cpu::isa() == "avx512" && crate::kernels::cpu::par::threads() > 1;
+                    let kernel = matches!(crate::kernels::cpu::isa(), "avx512" | "avx2+fma")
+                        && crate::kernels::cpu::par::threads() > 1;
                     assert_eq!(mha.per_batch_applies(qkv, &qn, &args), kernel);
                     let (rows, _) = mha.forward_with(&x, &x, &x, &args)?;
                     let (whole, _) = mha.forward_with(&x, &k, &v, &args)?;

@@ -10,7 +10,7 @@ use crate::sdpa::compute_dtype;
 /// - `weight`: `(out, in)`, `bias`: `(out)`.
 /// - `x`: `(…, in)` → `(…, out)`.
 ///
-/// On a CPU with AVX-512, f32 products run on this crate's kernel, and from its second
+/// On an x86-64 CPU with AVX-512 or AVX2+FMA, f32 products run on this crate's kernel, and from its second
 /// call on a `Proj` keeps its weight packed for it (`4 · out · in` bytes, shared by
 /// clones) while all kept packs fit `CANDLE_ATTENTION_PACK_CACHE_MB` (256 MiB by default;
 /// 0 keeps none). Inputs or weights that record gradients take candle's `matmul`.
@@ -66,7 +66,7 @@ impl Proj {
     }
 
     /// `x · Wᵀ + b` for `x (rows, in)` and `b (out)` in the accumulation dtype `cd`: for
-    /// f32 `x` on a CPU with AVX-512, the fused kernel's register-tiled product
+    /// f32 `x` on a CPU with AVX-512 or AVX2+FMA, the fused kernel's register-tiled product
     /// (`kernels::cpu`) against the weight packed into f32 panels (an f16/bf16 weight is
     /// converted there); everywhere else candle's `matmul` on the weight converted to `cd`.
     /// `tests/proj.rs` checks that the two agree.
@@ -159,7 +159,7 @@ impl Proj {
     }
 
     /// Whether [`Proj::forward`] of `x (…, in)` runs on this crate's CPU kernel (f32 `x`
-    /// on a CPU with AVX-512, a product large enough, no gradients), which runs
+    /// on a CPU with AVX-512 or AVX2+FMA, a product large enough, no gradients), which runs
     /// sequentially inside `kernels::cpu::par::inline`.
     pub(crate) fn on_kernel(&self, x: &Tensor) -> bool {
         #[cfg(target_arch = "x86_64")]

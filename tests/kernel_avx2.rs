@@ -1,8 +1,11 @@
-//! The AVX2+FMA kernel, forced with `CANDLE_ATTENTION_ISA=avx2`, agrees with the reference
-//! path, so it stays covered on machines that would pick AVX-512. (A separate test binary,
-//! so the variable affects nothing else.)
+//! The AVX2+FMA kernel and its projection product, forced with
+//! `CANDLE_ATTENTION_ISA=avx2`, agree with the reference path, so they stay covered on
+//! machines that would pick AVX-512. (A separate test binary, so the variable affects
+//! nothing else; one test, so that the variable is set before anything reads it.)
 #[path = "shared/kernel_cases.rs"]
 mod kernel_cases;
+#[path = "shared/proj_cases.rs"]
+mod proj_cases;
 
 #[test]
 fn avx2_kernel_matches_reference_on_randomised_shapes() -> candle_core::Result<()> {
@@ -20,5 +23,7 @@ fn avx2_kernel_matches_reference_on_randomised_shapes() -> candle_core::Result<(
     assert_eq!(candle_attention::cpu_kernel_isa(), "avx2+fma");
     let n = kernel_cases::fused_matches_reference(3)?;
     assert!(n > 1000, "only {n} comparisons");
+    let n = proj_cases::projections_match_matmul()?;
+    assert!(n >= 80, "only {n} products compared");
     Ok(())
 }

@@ -1,56 +1,19 @@
 //! `Proj::forward` (the fused CPU product where it applies) agrees with candle's
-//! `matmul` reference on shapes that exercise short row tiles (tiles of 14 rows),
-//! partial 16-output panels (masked stores) and an odd panel count, contraction lengths
-//! that are not multiples of 16 (the W pack's 16×16 transposes) or of 4 (the product's
-//! unrolled steps, also after a full contraction chunk of 768), several parallel row
-//! blocks, with and without bias. Every projection is applied twice: the first product
-//! packs the weight for that call only, the second keeps the pack and uses it.
+//! `matmul` reference: on the shapes of `shared/proj_cases.rs` (every row-tile tail,
+//! partial panels, contraction tails, first and kept-pack calls), batched and strided
+//! inputs, f16/bf16 weights, gradients, and its shape errors.
+#[path = "shared/proj_cases.rs"]
+mod proj_cases;
+
 use candle_attention::Proj;
 use candle_core::{DType, Device, Result, Tensor};
-
-fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
-    let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-    let m = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-    Ok(d / m.max(1.0))
-}
+use proj_cases::rel_err;
 
 #[test]
 fn projection_matches_candle_matmul() -> Result<()> {
+    let n = proj_cases::projections_match_matmul()?;
+    assert!(n >= 80, "only {n} products compared");
     let dev = Device::Cpu;
-    // (rows, in, out): tiny (candle's path), row and output padding, contraction tails,
-    // > one row block.
-    let shapes = [
-        (3, 8, 8),
-        (14, 64, 64),
-        (37, 100, 50),
-        (300, 96, 129),
-        (29, 103, 64),
-        (300, 259, 129),
-        (60, 771, 40),
-        (1024, 768, 768),
-    ];
-    // Rows 14 + t: a full 14-row tile, then a short tile of every height t = 1..13 (with
-    // a pair of output panels and a single last one).
-    let short = (15..28).map(|rows| (rows, 40, 48));
-    for (rows, inp, out) in shapes.into_iter().chain(short) {
-        let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
-        let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / (inp as f64).sqrt())?;
-        let b = Tensor::randn(0f32, 1.0, out, &dev)?;
-        for bias in [None, Some(b)] {
-            let p = Proj::new(w.clone(), bias.clone());
-            let want = Proj::matmul_bias_reference(&x, &w, bias.as_ref())?;
-            for call in ["first", "second"] {
-                let got = p.forward(&x)?;
-                assert_eq!(got.dims(), &[rows, out]);
-                let err = rel_err(&got, &want)?;
-                assert!(
-                    err < 1e-5,
-                    "rows {rows} in {inp} out {out} bias {} ({call} call): err {err}",
-                    bias.is_some()
-                );
-            }
-        }
-    }
     // Batched input (…, in) and a strided (transposed) input.
     let x = Tensor::randn(0f32, 1.0, (2, 40, 64), &dev)?;
     let w = Tensor::randn(0f32, 0.1, (48, 64), &dev)?;

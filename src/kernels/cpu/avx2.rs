@@ -632,3 +632,152 @@ unsafe fn online_rows_block_impl(
         l[r] = l[r] * alpha[r] + hsum(_mm256_add_ps(sum[0], sum[1]));
     }
 }
+
+/// Rows per [`gemm`] register tile.
+pub(crate) const GEMM_ROWS: usize = MR;
+
+/// One contraction chunk `k0..k1` of `y = x · Wᵀ (+ b)`, as [`super::avx512::gemm`]
+/// (same operands and layouts) on 6-row × 16-output tiles: whole `GEMM_ROWS`-row strips,
+/// then one shorter strip for the rest; a partial last panel is loaded and stored with
+/// lane masks. Panels are the outer loop, so a panel stays in L1/L2 while the row strips
+/// stream past it.
+///
+/// # Safety
+/// AVX2 and FMA must be available, and `y` must hold `rows` rows of stride `ldy`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm(
+    x: &[f32],
+    ldx: usize,
+    rows: usize,
+    (k0, k1, e): (usize, usize, usize),
+    wp: &[f32],
+    out: usize,
+    y: *mut f32,
+    ldy: usize,
+    b: Option<&[f32]>,
+    accumulate: bool,
+) {
+    let npanels = out.div_ceil(NR);
+    let (strips, tail) = (rows / GEMM_ROWS, rows % GEMM_ROWS);
+    assert!(k0 <= k1 && k1 <= e && ldx >= e && ldy >= out);
+    assert!(rows == 0 || x.len() >= (rows - 1) * ldx + e);
+    assert!(wp.len() >= npanels * e * NR && b.is_none_or(|b| b.len() >= out));
+    let bias = b.map_or(std::ptr::null(), |b| b.as_ptr());
+    let kc = k1 - k0;
+    // SAFETY: `x` and `wp` bounds asserted above; the caller guarantees `y` and the
+    // features.
+    unsafe {
+        for p in 0..npanels {
+            let wpp = wp.as_ptr().add(p * e * NR + k0 * NR);
+            let bp = if bias.is_null() { bias } else { bias.add(p * NR) };
+            let live = (out - p * NR).min(NR);
+            for st in 0..strips {
+                let xk = x.as_ptr().add(st * GEMM_ROWS * ldx + k0);
+                let yp = y.add(st * GEMM_ROWS * ldy + p * NR);
+                gemm_tile::<GEMM_ROWS>((xk, ldx, kc, wpp, yp, ldy, bp, accumulate), live);
+            }
+            if tail > 0 {
+                let xk = x.as_ptr().add(strips * GEMM_ROWS * ldx + k0);
+                let yp = y.add(strips * GEMM_ROWS * ldy + p * NR);
+                let t = (xk, ldx, kc, wpp, yp, ldy, bp, accumulate);
+                match tail {
+                    1 => gemm_tile::<1>(t, live),
+                    2 => gemm_tile::<2>(t, live),
+                    3 => gemm_tile::<3>(t, live),
+                    4 => gemm_tile::<4>(t, live),
+                    5 => gemm_tile::<5>(t, live),
+                    _ => unreachable!("a tail is shorter than GEMM_ROWS"),
+                }
+            }
+        }
+    }
+}
+
+/// `(x, ldx, kc, W panel, y, ldy, bias, accumulate)` of a [`gemm_tile`].
+type GemmArgs = (
+    *const f32,
+    usize,
+    usize,
+    *const f32,
+    *mut f32,
+    usize,
+    *const f32,
+    bool,
+);
+
+/// Lane masks for the first `live` of 16 outputs, as two 8-lane halves.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn live_masks(live: usize) -> [__m256i; 2] {
+    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let n = live as i32;
+    [
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes),
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lanes),
+    ]
+}
+
+/// An `R × 16` tile of [`gemm`]: rows of `x` broadcast from their row-major place, one W
+/// panel; only the first `live` outputs are read from `y`/`bias` and stored. The output
+/// starts from `y` (`acc`), else from the bias (when not null) or zero.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_tile<const R: usize>((x, ldx, kc, w, y, ldy, bias, acc_y): GemmArgs, live: usize) {
+    let full = live == NR;
+    let m = live_masks(live);
+    // A macro (not a closure: closures do not inherit `target_feature`). Only the first
+    // `live` outputs at `$p` are read.
+    macro_rules! load {
+        ($p:expr, $h:expr) => {
+            if full {
+                _mm256_loadu_ps($p.add(8 * $h))
+            } else {
+                _mm256_maskload_ps($p.add(8 * $h), m[$h])
+            }
+        };
+    }
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    for (r, row) in acc.iter_mut().enumerate() {
+        for (h, v) in row.iter_mut().enumerate() {
+            if acc_y {
+                *v = load!(y.add(r * ldy), h);
+            } else if !bias.is_null() {
+                *v = load!(bias, h);
+            }
+        }
+    }
+    macro_rules! step {
+        ($k:expr) => {{
+            let k = $k;
+            let w0 = _mm256_loadu_ps(w.add(k * NR));
+            let w1 = _mm256_loadu_ps(w.add(k * NR + 8));
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = _mm256_broadcast_ss(&*x.add(r * ldx + k));
+                row[0] = _mm256_fmadd_ps(a, w0, row[0]);
+                row[1] = _mm256_fmadd_ps(a, w1, row[1]);
+            }
+        }};
+    }
+    let mut k = 0;
+    while k + 4 <= kc {
+        step!(k);
+        step!(k + 1);
+        step!(k + 2);
+        step!(k + 3);
+        k += 4;
+    }
+    while k < kc {
+        step!(k);
+        k += 1;
+    }
+    for (r, row) in acc.iter().enumerate() {
+        let yp = y.add(r * ldy);
+        if full {
+            _mm256_storeu_ps(yp, row[0]);
+            _mm256_storeu_ps(yp.add(8), row[1]);
+        } else {
+            _mm256_maskstore_ps(yp, m[0], row[0]);
+            _mm256_maskstore_ps(yp.add(8), m[1], row[1]);
+        }
+    }
+}

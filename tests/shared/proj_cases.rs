@@ -1,0 +1,60 @@
+//! Shapes on which `Proj::forward` (the CPU kernel's product where it applies) is
+//! checked against candle's `matmul` reference: short row tiles of every height of the
+//! AVX-512 (14-row) and AVX2 (6-row) tiles, partial 16-output panels (masked stores) and
+//! an odd panel count, contraction lengths that are not multiples of 16 (the W pack's
+//! 16×16 transposes) or of 4 (the products' unrolled steps, also after a full
+//! contraction chunk of 768), several parallel row blocks, with and without bias. Every
+//! projection is applied twice: the first product packs the weight for that call only,
+//! the second keeps the pack and uses it. Used by `tests/proj.rs` and, with the AVX2
+//! kernel forced, by `tests/kernel_avx2.rs`.
+use candle_attention::Proj;
+use candle_core::{Device, Result, Tensor};
+
+pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    let m = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    Ok(d / m.max(1.0))
+}
+
+/// Runs every case (each asserts); returns the number of products compared.
+pub fn projections_match_matmul() -> Result<usize> {
+    let mut compared = 0;
+    let dev = Device::Cpu;
+    // (rows, in, out): tiny (candle's path), row and output padding, contraction tails,
+    // > one row block.
+    let shapes = [
+        (3, 8, 8),
+        (14, 64, 64),
+        (37, 100, 50),
+        (300, 96, 129),
+        (29, 103, 64),
+        (300, 259, 129),
+        (60, 771, 40),
+        (1024, 768, 768),
+    ];
+    // Rows 15..27: full tiles, then a short tile of every height 1..13 of the 14-row
+    // AVX-512 tile and 1..5 of the 6-row AVX2 tile (with a pair of output panels and a
+    // single last one).
+    let short = (15..28).map(|rows| (rows, 40, 48));
+    for (rows, inp, out) in shapes.into_iter().chain(short) {
+        let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
+        let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / (inp as f64).sqrt())?;
+        let b = Tensor::randn(0f32, 1.0, out, &dev)?;
+        for bias in [None, Some(b)] {
+            let p = Proj::new(w.clone(), bias.clone());
+            let want = Proj::matmul_bias_reference(&x, &w, bias.as_ref())?;
+            for call in ["first", "second"] {
+                let got = p.forward(&x)?;
+                assert_eq!(got.dims(), &[rows, out]);
+                let err = rel_err(&got, &want)?;
+                compared += 1;
+                assert!(
+                    err < 1e-5,
+                    "rows {rows} in {inp} out {out} bias {} ({call} call): err {err}",
+                    bias.is_some()
+                );
+            }
+        }
+    }
+    Ok(compared)
+}
