@@ -2,9 +2,10 @@
 //! ([`avx512::gemm`]) or AVX2+FMA 6-row × 16-output tiles ([`avx2::gemm`]), whose rows of
 //! `x` are broadcast from their row-major place (no copy of `x`), against `W` packed once
 //! per call into 16-output panels (`[out / 16][in][16]`; by 16×16 transposes on AVX-512;
-//! f16/bf16 weights are converted there, so no f32 copy of `W` is made). Row blocks of about [`ROWS`] rows run in
-//! parallel; each writes its own contiguous output rows, so the weight streams through
-//! the cache once per row block. The bias is the accumulators' starting value.
+//! f16/bf16 weights are converted there, so no f32 copy of `W` is made). Row blocks of
+//! about [`ROWS`] rows run in parallel; each writes its own contiguous output rows, so the
+//! weight streams through the cache once per row block. The bias is the accumulators'
+//! starting value.
 
 use super::pack::{pack_k, AVec, Data, View, NR};
 use super::par;
@@ -330,6 +331,7 @@ fn product(
                 let chunk = (k0, k1, inp);
                 match isa {
                     Isa::Avx512 => avx512::gemm(xs, inp, n, chunk, wp, out, yp, out, bias, k0 > 0),
+                    // `tile_rows` above admits only these two.
                     _ => avx2::gemm(xs, inp, n, chunk, wp, out, yp, out, bias, k0 > 0),
                 }
             };
