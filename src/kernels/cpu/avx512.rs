@@ -274,11 +274,8 @@ pub(crate) unsafe fn gemm(
     b: Option<&[f32]>,
     accumulate: bool,
 ) {
-    let npanels = out.div_ceil(NR);
+    let npanels = super::pack::assert_gemm_operands(x, ldx, rows, (k0, k1, e), wp, out, ldy, b);
     let (strips, tail) = (rows / GEMM_ROWS, rows % GEMM_ROWS);
-    assert!(k0 <= k1 && k1 <= e && ldx >= e && ldy >= out);
-    assert!(rows == 0 || x.len() >= (rows - 1) * ldx + e);
-    assert!(wp.len() >= npanels * e * NR && b.is_none_or(|b| b.len() >= out));
     let bias = b.map_or(std::ptr::null(), |b| b.as_ptr());
     let kc = k1 - k0;
     let mask = |p: usize| -> __mmask16 {
