@@ -47,7 +47,7 @@
 //!   pass.
 //! * On AVX2 the softmax updates a block's rows in one call, each row read into eight
 //!   registers, in two passes over all rows (`avx2::online_rows_block`), with a `2^x`
-//!   for `x ≤ 0` of 13 instructions (`exp::avx2::exp2_256_nonpos`).
+//!   for `x ≤ 0` with one clamp and a degree-5 polynomial (`exp::avx2::exp2_256_nonpos`).
 //! * Causal / sliding-window visibility through loop bounds: hidden key blocks are
 //!   skipped, only edge blocks are masked, and on edge blocks each 6-row strip only
 //!   computes the key panels it can see. Optional additive mask with broadcasting; a

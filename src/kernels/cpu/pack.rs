@@ -433,9 +433,9 @@ pub(crate) fn pack_k(
         let kk = (nk - p * NR).min(NR);
         let panel = &mut dst[p * e * NR..(p + 1) * e * NR];
         #[cfg(target_arch = "x86_64")]
-        if kk == NR && isa == super::Isa::Avx512 && k.strides[3] == 1 {
-            // Full panel of unit-stride rows: 16×16 transposes, from the f32 rows in
-            // place or from f16/bf16 rows converted into `tmp`.
+        if kk == NR && matches!(isa, super::Isa::Avx512 | super::Isa::Avx2Fma) && k.strides[3] == 1 {
+            // Full panel of unit-stride rows: 16×16 (AVX-512) or 8×8 (AVX2) transposes,
+            // from the f32 rows in place or from f16/bf16 rows converted into `tmp`.
             let (base, ld) = (k.row_offset(b, kvh, j0 + p * NR), k.strides[2]);
             let (src, lds) = match k.data {
                 Data::F32(s) => (&s[base..base + (NR - 1) * ld + e], ld),
@@ -446,15 +446,37 @@ pub(crate) fn pack_k(
                     (&tmp[..NR * e], e)
                 }
             };
-            let full = e / NR * NR;
-            for x0 in (0..full).step_by(NR) {
-                // SAFETY: `Isa::Avx512` is only selected after detection; the 16 rows
-                // of 16 at `x0` are inside `src` (bounds above), and their 16 panel
-                // rows inside `panel`.
-                unsafe {
-                    super::avx512::transpose16(src[x0..].as_ptr(), lds, panel[x0 * NR..].as_mut_ptr(), NR)
-                };
-            }
+            let full = if isa == super::Isa::Avx512 {
+                let full = e / NR * NR;
+                for x0 in (0..full).step_by(NR) {
+                    // SAFETY: `Isa::Avx512` is only selected after detection; the 16
+                    // rows of 16 at `x0` are inside `src` (bounds above), and their 16
+                    // panel rows inside `panel`.
+                    unsafe {
+                        super::avx512::transpose16(src[x0..].as_ptr(), lds, panel[x0 * NR..].as_mut_ptr(), NR)
+                    };
+                }
+                full
+            } else {
+                let full = e / 8 * 8;
+                for h in 0..NR / 8 {
+                    for x0 in (0..full).step_by(8) {
+                        // SAFETY: `Isa::Avx2Fma` is only selected after detection; rows
+                        // `8h..8h + 8` of the panel's 16 hold columns `x0..x0 + 8 ≤ e`
+                        // inside `src` (bounds above), and panel rows `x0..x0 + 8`,
+                        // lanes `8h..8h + 8`, lie inside `panel`.
+                        unsafe {
+                            super::avx2::transpose8(
+                                src[8 * h * lds + x0..].as_ptr(),
+                                lds,
+                                panel[x0 * NR + 8 * h..].as_mut_ptr(),
+                                NR,
+                            )
+                        };
+                    }
+                }
+                full
+            };
             for c in 0..NR {
                 for x in full..e {
                     panel[x * NR + c] = src[c * lds + x];
