@@ -28,11 +28,58 @@ pub(super) unsafe fn qk(
     assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe { qk_impl(q.as_ptr(), rows, e, kp.as_ptr(), npanels, s.as_mut_ptr(), lds) }
+    unsafe {
+        qk_impl::<false>(
+            q.as_ptr(),
+            rows,
+            e,
+            kp.as_ptr(),
+            npanels,
+            s.as_mut_ptr(),
+            lds,
+            std::ptr::null_mut(),
+        )
+    }
 }
 
+/// [`qk`], and also each row's lane-wise maximum over all its scores: on return,
+/// `mx[r·8..r·8 + 8]` holds 8 partial maxima of row `r` (their maximum is the row's),
+/// for [`online_rows_block_premax`]. `npanels` must be at least 1.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn qk_max(
+    q: &[f32],
+    rows: usize,
+    e: usize,
+    kp: &[f32],
+    npanels: usize,
+    s: &mut [f32],
+    lds: usize,
+    mx: &mut [f32],
+) {
+    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR && npanels >= 1);
+    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR && mx.len() >= rows * 8);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        qk_impl::<true>(
+            q.as_ptr(),
+            rows,
+            e,
+            kp.as_ptr(),
+            npanels,
+            s.as_mut_ptr(),
+            lds,
+            mx.as_mut_ptr(),
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn qk_impl(
+unsafe fn qk_impl<const MAX: bool>(
     q: *const f32,
     rows: usize,
     e: usize,
@@ -40,6 +87,7 @@ unsafe fn qk_impl(
     npanels: usize,
     s: *mut f32,
     lds: usize,
+    mx: *mut f32,
 ) {
     // Panel-outer: the K panel (16 keys × E) stays in L1 while Q strips stream.
     for p in 0..npanels {
@@ -73,6 +121,18 @@ unsafe fn qk_impl(
             for r in 0..MR {
                 _mm256_storeu_ps(sp.add(r * lds), acc[2 * r]);
                 _mm256_storeu_ps(sp.add(r * lds + 8), acc[2 * r + 1]);
+            }
+            if MAX {
+                let mp = mx.add(strip * MR * 8);
+                for r in 0..MR {
+                    let v = _mm256_max_ps(acc[2 * r], acc[2 * r + 1]);
+                    let v = if p == 0 {
+                        v
+                    } else {
+                        _mm256_max_ps(v, _mm256_loadu_ps(mp.add(r * 8)))
+                    };
+                    _mm256_storeu_ps(mp.add(r * 8), v);
+                }
             }
         }
     }
@@ -596,7 +656,9 @@ pub(super) unsafe fn online_rows_block(
     assert!(lds >= BK && m.len() >= n && l.len() >= n && alpha.len() >= n);
     assert!(n == 0 || s.len() >= (n - 1) * lds + BK);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe { online_rows_block_impl(s.as_mut_ptr(), lds, n, range, (m, l, alpha)) }
+    unsafe {
+        online_rows_block_inner::<false>(s.as_mut_ptr(), lds, n, range, std::ptr::null(), (m, l, alpha))
+    }
 }
 
 /// Row `r`'s eight vectors, −inf outside `(a, z)`.
@@ -621,22 +683,28 @@ unsafe fn load_row_ranged(row: *const f32, (a, z): (usize, usize)) -> [__m256; B
     x
 }
 
+/// `PRE`: the row maxima come from `pre` (see [`online_rows_block_premax`]).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn online_rows_block_impl(
+unsafe fn online_rows_block_inner<const PRE: bool>(
     s: *mut f32,
     lds: usize,
     n: usize,
     range: impl Fn(usize) -> (usize, usize),
+    pre: *const f32,
     (m, l, alpha): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
     const V: usize = BK / 8;
     for r in 0..n {
-        let x = load_row_ranged(s.add(r * lds), range(r));
-        let mut t = [_mm256_setzero_ps(); V / 2];
-        for (i, ti) in t.iter_mut().enumerate() {
-            *ti = _mm256_max_ps(x[2 * i], x[2 * i + 1]);
-        }
-        let mx = _mm256_max_ps(_mm256_max_ps(t[0], t[1]), _mm256_max_ps(t[2], t[3]));
+        let mx = if PRE {
+            _mm256_loadu_ps(pre.add(r * 8))
+        } else {
+            let x = load_row_ranged(s.add(r * lds), range(r));
+            let mut t = [_mm256_setzero_ps(); V / 2];
+            for (i, ti) in t.iter_mut().enumerate() {
+                *ti = _mm256_max_ps(x[2 * i], x[2 * i + 1]);
+            }
+            _mm256_max_ps(_mm256_max_ps(t[0], t[1]), _mm256_max_ps(t[2], t[3]))
+        };
         let m_old = m[r];
         let m_new = _mm_cvtss_f32(_mm256_castps256_ps128(_mm256_max_ps(
             hmax_all(mx),
@@ -667,6 +735,27 @@ unsafe fn online_rows_block_impl(
             sum[i % 2] = _mm256_add_ps(sum[i % 2], p);
         }
         l[r] = l[r] * alpha[r] + hsum(_mm256_add_ps(sum[0], sum[1]));
+    }
+}
+
+/// [`online_rows_block`] for `n` rows that each see all [`BK`] keys, with their maxima
+/// already known as 8 lane-wise partial maxima per row (`mx[r·8..r·8 + 8]`, from
+/// [`qk_max`]): the first pass reads those instead of the rows.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+pub(super) unsafe fn online_rows_block_premax(
+    s: &mut [f32],
+    lds: usize,
+    n: usize,
+    mx: &[f32],
+    (m, l, alpha): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    assert!(lds >= BK && m.len() >= n && l.len() >= n && alpha.len() >= n && mx.len() >= n * 8);
+    assert!(n == 0 || s.len() >= (n - 1) * lds + BK);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        online_rows_block_inner::<true>(s.as_mut_ptr(), lds, n, |_| (0, BK), mx.as_ptr(), (m, l, alpha))
     }
 }
 
@@ -812,6 +901,49 @@ unsafe fn gemm_tile<const R: usize>((x, ldx, kc, w, y, ldy, bias, acc_y): GemmAr
         } else {
             _mm256_maskstore_ps(yp, m[0], row[0]);
             _mm256_maskstore_ps(yp.add(8), m[1], row[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `qk_max`'s partial maxima give each row's maximum score, for every row of every
+    /// strip, with 1 to 4 panels, and its scores equal `qk`'s.
+    #[test]
+    fn qk_max_keeps_each_rows_maximum() {
+        if !super::super::Isa::Avx2Fma.is_supported() {
+            return;
+        }
+        let mut x = 12345u32;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as f32 / u32::MAX as f32 * 8.0 - 4.0
+        };
+        for (rows, e, npanels) in [(6, 1, 1), (12, 7, 2), (18, 64, 4), (144, 128, 4), (30, 33, 3)] {
+            let q: Vec<f32> = (0..rows * e).map(|_| rnd()).collect();
+            let kp: Vec<f32> = (0..npanels * e * NR).map(|_| rnd()).collect();
+            let lds = BK;
+            let (mut s0, mut s1) = (vec![0f32; rows * lds], vec![0f32; rows * lds]);
+            let mut mx = vec![f32::NAN; rows * 8];
+            // SAFETY: AVX2 and FMA detected above; shapes as the kernels require.
+            unsafe {
+                qk(&q, rows, e, &kp, npanels, &mut s0, lds);
+                qk_max(&q, rows, e, &kp, npanels, &mut s1, lds, &mut mx);
+            }
+            assert_eq!(s0, s1, "rows {rows} e {e} panels {npanels}");
+            for r in 0..rows {
+                let want = s0[r * lds..r * lds + npanels * NR]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let got = mx[r * 8..r * 8 + 8]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                assert_eq!(got, want, "row {r} of rows {rows} e {e} panels {npanels}");
+            }
         }
     }
 }

@@ -186,6 +186,8 @@ struct Scratch {
     ii: Vec<usize>,
     tmp: Vec<f32>,
     row: Vec<f32>,
+    /// Lane-wise row maxima of one score block (`avx2::qk_max`), 8 per row.
+    mx: Vec<f32>,
     /// AMX operands (bf16 bits), sized on first use: Q components, P components, one
     /// K and one V block, and the row staging of the packers.
     #[cfg(target_arch = "x86_64")]
@@ -252,6 +254,7 @@ impl Scratch {
             ii: vec![0; rp],
             tmp: vec![0.0; NR * e.max(evp)],
             row: vec![0.0; evp],
+            mx: vec![0.0; rp * 8],
             #[cfg(target_arch = "x86_64")]
             amx_bufs: AmxBufs::default(),
         }
@@ -1131,8 +1134,11 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         hh,
         ii,
         tmp,
+        mx,
         ..
     } = sc;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = &mx; // only the AVX2 score kernel keeps row maxima
 
     // The register-tiled score kernels take Q strip-packed, except on AVX-512, whose
     // 6-row tiles broadcast from the row-major rows (`avx512::qk`); the decode kernels
@@ -1307,6 +1313,14 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             && matches!(src, KvSrc::Packed(_) | KvSrc::Stream);
         #[cfg(not(target_arch = "x86_64"))]
         let fused = false;
+        // The same blocks on AVX2: the score kernel also keeps each row's maximum
+        // (`avx2::qk_max`), so the softmax skips its pass over the rows for the maxima.
+        let premax = cfg!(target_arch = "x86_64")
+            && isa == Isa::Avx2Fma
+            && p.mask.is_none()
+            && !need_causal
+            && nk == BK
+            && matches!(src, KvSrc::Packed(_) | KvSrc::Stream);
         // `FnMut` only on x86-64, where the fused branch updates `m`, `lsum` and `alpha`.
         #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut qk = |kps: &[f32], sb: &mut [f32]| {
@@ -1316,6 +1330,11 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 return unsafe {
                     avx512::qk_softmax(qpk, (rows, n), e, kps, sb, BK, (&mut *m, &mut *lsum, &mut *alpha))
                 };
+            }
+            #[cfg(target_arch = "x86_64")]
+            if premax {
+                // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
+                return unsafe { avx2::qk_max(qpk, rows, e, kps, npanels, sb, BK, &mut mx[..]) };
             }
             if trimmed {
                 for (st, &k) in snk.iter().enumerate().take(nstrips) {
@@ -1375,7 +1394,13 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 (vs, NR, ldv)
             }
         };
-        if !fused {
+        if premax {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `premax` is only set on the `Isa::Avx2Fma` path.
+            unsafe {
+                avx2::online_rows_block_premax(sb, BK, n, mx, (m, lsum, alpha))
+            };
+        } else if !fused {
             let rows_of = RowsOf { bb, hh, ii, lo, hi };
             online_rows(p, &rows_of, (sb, BK, n), (j0, nk, need_causal), (m, lsum, alpha));
         }
