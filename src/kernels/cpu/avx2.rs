@@ -24,22 +24,8 @@ pub(super) unsafe fn qk(
     s: &mut [f32],
     lds: usize,
 ) {
-    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR);
-    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
-    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
-    // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe {
-        qk_impl::<false>(
-            q.as_ptr(),
-            rows,
-            e,
-            kp.as_ptr(),
-            npanels,
-            s.as_mut_ptr(),
-            lds,
-            std::ptr::null_mut(),
-        )
-    }
+    // SAFETY: features guaranteed by the caller.
+    unsafe { qk_checked::<false>(q, rows, e, kp, npanels, s, lds, &mut []) }
 }
 
 /// [`qk`], and also each row's lane-wise maximum over all its scores: on return,
@@ -59,12 +45,30 @@ pub(super) unsafe fn qk_max(
     lds: usize,
     mx: &mut [f32],
 ) {
-    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR && npanels >= 1);
-    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR && mx.len() >= rows * 8);
+    // SAFETY: features guaranteed by the caller.
+    unsafe { qk_checked::<true>(q, rows, e, kp, npanels, s, lds, mx) }
+}
+
+/// The bounds checks of [`qk`] (and, with `MAX`, of [`qk_max`]), then the kernel.
+#[allow(clippy::too_many_arguments)]
+unsafe fn qk_checked<const MAX: bool>(
+    q: &[f32],
+    rows: usize,
+    e: usize,
+    kp: &[f32],
+    npanels: usize,
+    s: &mut [f32],
+    lds: usize,
+    mx: &mut [f32],
+) {
+    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR);
+    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
-    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    assert!(!MAX || (npanels >= 1 && mx.len() >= rows * 8));
+    // SAFETY: bounds asserted above (`mx` is only written with `MAX`); features
+    // guaranteed by the caller.
     unsafe {
-        qk_impl::<true>(
+        qk_impl::<MAX>(
             q.as_ptr(),
             rows,
             e,

@@ -1302,25 +1302,17 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 trimmed |= *v < nk;
             }
         }
-        // A full, wholly visible block with no explicit mask on AVX-512: the scores go
+        // A full, wholly visible block with no explicit mask. On AVX-512 its scores go
         // through the softmax in registers (`avx512::qk_softmax`), so `online_rows` is
-        // skipped below.
-        #[cfg(target_arch = "x86_64")]
-        let fused = isa == Isa::Avx512
-            && p.mask.is_none()
-            && !need_causal
-            && nk == BK
-            && matches!(src, KvSrc::Packed(_) | KvSrc::Stream);
-        #[cfg(not(target_arch = "x86_64"))]
-        let fused = false;
-        // The same blocks on AVX2: the score kernel also keeps each row's maximum
+        // skipped below; on AVX2 the score kernel also keeps each row's maximum
         // (`avx2::qk_max`), so the softmax skips its pass over the rows for the maxima.
-        let premax = cfg!(target_arch = "x86_64")
-            && isa == Isa::Avx2Fma
+        let whole = cfg!(target_arch = "x86_64")
             && p.mask.is_none()
             && !need_causal
             && nk == BK
             && matches!(src, KvSrc::Packed(_) | KvSrc::Stream);
+        let fused = whole && isa == Isa::Avx512;
+        let premax = whole && isa == Isa::Avx2Fma;
         // `FnMut` only on x86-64, where the fused branch updates `m`, `lsum` and `alpha`.
         #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut qk = |kps: &[f32], sb: &mut [f32]| {

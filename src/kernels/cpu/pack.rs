@@ -34,6 +34,7 @@ pub(crate) fn assert_gemm_operands(
     assert!(wp.len() >= npanels * e * NR && b.is_none_or(|b| b.len() >= out));
     npanels
 }
+
 /// Keys per block; also the fixed row stride of the score / probability block.
 pub(crate) const BK: usize = 64;
 /// Rows of a register tile. The portable, AVX2 and NEON score kernels take Q
