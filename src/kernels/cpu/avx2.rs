@@ -1,5 +1,6 @@
-//! AVX2 + FMA micro-kernels: 6×16 register tiles (12 accumulators, 2 panel loads,
-//! 1 broadcast = 15 of the 16 ymm registers).
+//! AVX2 + FMA micro-kernels: 6×16 register tiles (12 accumulators, 2 panel loads and
+//! 1 or 2 broadcasts: 15 or 16 of the 16 ymm registers). The contraction loop of both
+//! block products is written in assembly ([`rows_loop_6x16`]).
 //!
 //! Every function here is `unsafe` and requires a CPU with AVX2, FMA and F16C; the
 //! dispatcher only selects `Isa::Avx2Fma` after runtime detection.
@@ -11,7 +12,9 @@ use std::arch::x86_64::*;
 /// Rows per register tile.
 pub(super) const MR: usize = super::pack::MR;
 
-/// See [`super::portable::qk`] (Q in strip-packed layout); `rows` must be a multiple of [`MR`].
+/// See [`super::portable::qk`], except that Q is row-major (row stride `e`), not
+/// strip-packed (the 6-row tiles broadcast from the rows, [`rows_loop_6x16`]); `rows`
+/// must be a multiple of [`MR`].
 ///
 /// # Safety
 /// AVX2 and FMA must be available.
@@ -97,30 +100,10 @@ unsafe fn qk_impl<const MAX: bool>(
     for p in 0..npanels {
         let kpp = kp.add(p * e * NR);
         for strip in 0..rows / MR {
-            let qs = q.add(strip * MR * e);
             let mut acc = [_mm256_setzero_ps(); 2 * MR];
-            // A macro (not a closure: closures do not inherit `target_feature`).
-            macro_rules! step {
-                ($acc:expr, $x:expr) => {{
-                    let x = $x;
-                    let k0 = _mm256_loadu_ps(kpp.add(x * NR));
-                    let k1 = _mm256_loadu_ps(kpp.add(x * NR + 8));
-                    for r in 0..MR {
-                        let a = _mm256_broadcast_ss(&*qs.add(x * MR + r));
-                        $acc[2 * r] = _mm256_fmadd_ps(a, k0, $acc[2 * r]);
-                        $acc[2 * r + 1] = _mm256_fmadd_ps(a, k1, $acc[2 * r + 1]);
-                    }
-                }};
-            }
-            let mut x = 0;
-            while x + 2 <= e {
-                step!(acc, x);
-                step!(acc, x + 1);
-                x += 2;
-            }
-            if x < e {
-                step!(acc, x);
-            }
+            // SAFETY: the strip's six Q rows (`e` floats each) and the K panel (`e`
+            // steps of 16 floats) are inside `q` and `kp` (asserted by the callers).
+            unsafe { rows_loop_6x16(&mut acc, q.add(strip * MR * e), e * 4, kpp, e) };
             let sp = s.add(strip * MR * lds + p * NR);
             for r in 0..MR {
                 _mm256_storeu_ps(sp.add(r * lds), acc[2 * r]);
@@ -142,7 +125,126 @@ unsafe fn qk_impl<const MAX: bool>(
     }
 }
 
-/// See [`super::portable::pv`] (P row-major with row stride [`BK`]); `rows` must be a multiple of [`MR`].
+/// One step of [`rows_loop_6x16`] as assembly text: the 16-lane panel row at byte
+/// offset `$db` from `{b}`, the six row elements at byte offset `$da` from their row
+/// (rows `{g0}`, `+ {la}`, `+ 2·{la}`, then the same from `{g1}`), 12 FMAs into
+/// `ymm0..ymm11` (two per row).
+macro_rules! tile_step_6x16 {
+    ($da:literal, $db:literal) => {
+        concat!(
+            "vmovups ymm12, ymmword ptr [{b} + ",
+            $db,
+            "]\n",
+            "vmovups ymm13, ymmword ptr [{b} + ",
+            $db,
+            " + 32]\n",
+            "vbroadcastss ymm14, dword ptr [{g0} + ",
+            $da,
+            "]\n",
+            "vfmadd231ps ymm0, ymm14, ymm12\n",
+            "vfmadd231ps ymm1, ymm14, ymm13\n",
+            "vbroadcastss ymm15, dword ptr [{g0} + {la} + ",
+            $da,
+            "]\n",
+            "vfmadd231ps ymm2, ymm15, ymm12\n",
+            "vfmadd231ps ymm3, ymm15, ymm13\n",
+            "vbroadcastss ymm14, dword ptr [{g0} + {la}*2 + ",
+            $da,
+            "]\n",
+            "vfmadd231ps ymm4, ymm14, ymm12\n",
+            "vfmadd231ps ymm5, ymm14, ymm13\n",
+            "vbroadcastss ymm15, dword ptr [{g1} + ",
+            $da,
+            "]\n",
+            "vfmadd231ps ymm6, ymm15, ymm12\n",
+            "vfmadd231ps ymm7, ymm15, ymm13\n",
+            "vbroadcastss ymm14, dword ptr [{g1} + {la} + ",
+            $da,
+            "]\n",
+            "vfmadd231ps ymm8, ymm14, ymm12\n",
+            "vfmadd231ps ymm9, ymm14, ymm13\n",
+            "vbroadcastss ymm15, dword ptr [{g1} + {la}*2 + ",
+            $da,
+            "]\n",
+            "vfmadd231ps ymm10, ymm15, ymm12\n",
+            "vfmadd231ps ymm11, ymm15, ymm13\n",
+        )
+    };
+}
+
+/// A 6×16 register-tile loop in assembly, as `avx512::rows_loop_6x4` is for AVX-512:
+/// `n` steps of `acc[2·r + i] += a_r · b_i`, where step `x` broadcasts `a_r` from byte
+/// `(r % 3)·la + 4x` of group pointer `r / 3` (`g1 = a + 3·la`: six row-major rows of
+/// stride `la` bytes) and loads `b_0`, `b_1` (8 lanes each) from byte `64x` of `b` (a
+/// `[n][16]` panel). Per step 2 loads, 6 broadcasts and 12 FMAs; four steps share one
+/// set of pointer updates. This is the score tile's key loop, so Q stays row-major on
+/// AVX2 and the driver does not copy it into strips.
+///
+/// # Safety
+/// AVX2 and FMA must be available; the six rows must hold `n` floats each and `b`
+/// `16·n`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_loop_6x16(acc: &mut [__m256; 2 * MR], a: *const f32, la: usize, b: *const f32, n: usize) {
+    if n == 0 {
+        return;
+    }
+    // SAFETY: the caller guarantees the `a` rows and the `b` panel of `n` steps.
+    unsafe {
+        std::arch::asm!(
+            "test {q}, {q}",
+            "jz 3f",
+            "2:",
+            tile_step_6x16!("0", "0"),
+            tile_step_6x16!("4", "64"),
+            tile_step_6x16!("8", "128"),
+            tile_step_6x16!("12", "192"),
+            "add {g0}, 16",
+            "add {g1}, 16",
+            "add {b}, 256",
+            "dec {q}",
+            "jnz 2b",
+            "3:",
+            "test {r}, {r}",
+            "jz 5f",
+            "4:",
+            tile_step_6x16!("0", "0"),
+            "add {g0}, 4",
+            "add {g1}, 4",
+            "add {b}, 64",
+            "dec {r}",
+            "jnz 4b",
+            "5:",
+            inout("ymm0") acc[0],
+            inout("ymm1") acc[1],
+            inout("ymm2") acc[2],
+            inout("ymm3") acc[3],
+            inout("ymm4") acc[4],
+            inout("ymm5") acc[5],
+            inout("ymm6") acc[6],
+            inout("ymm7") acc[7],
+            inout("ymm8") acc[8],
+            inout("ymm9") acc[9],
+            inout("ymm10") acc[10],
+            inout("ymm11") acc[11],
+            out("ymm12") _,
+            out("ymm13") _,
+            out("ymm14") _,
+            out("ymm15") _,
+            g0 = inout(reg) a => _,
+            g1 = inout(reg) a.wrapping_byte_add(3 * la) => _,
+            b = inout(reg) b => _,
+            q = inout(reg) n / 4 => _,
+            r = inout(reg) n % 4 => _,
+            la = in(reg) la,
+            options(nostack, readonly),
+        );
+    }
+}
+
+/// See [`super::portable::pv`] (P row-major with row stride [`BK`]); `rows` must be a
+/// multiple of [`MR`]. With packed V (`ldv == NR`) the key loop is [`rows_loop_6x16`];
+/// other V row strides take the same steps in intrinsics.
 ///
 /// # Safety
 /// AVX2 and FMA must be available.
@@ -219,14 +321,20 @@ unsafe fn pv_impl(
                     }
                 }};
             }
-            let mut j = 0;
-            while j + 2 <= nk {
-                step!(acc, j);
-                step!(acc, j + 1);
-                j += 2;
-            }
-            if j < nk {
-                step!(acc, j);
+            if ldv == NR {
+                // SAFETY: the strip's six P rows (`nk ≤ BK` floats each) and the V panel
+                // (`nk` rows of 16 floats) are inside `p` and `vp` (asserted by `pv`).
+                unsafe { rows_loop_6x16(&mut acc, ps, BK * 4, vpp, nk) };
+            } else {
+                let mut j = 0;
+                while j + 2 <= nk {
+                    step!(acc, j);
+                    step!(acc, j + 1);
+                    j += 2;
+                }
+                if j < nk {
+                    step!(acc, j);
+                }
             }
             for r in 0..MR {
                 _mm256_storeu_ps(op.add(r * ldo), acc[2 * r]);
@@ -885,17 +993,28 @@ unsafe fn gemm_tile<const R: usize>((x, ldx, kc, w, y, ldy, bias, acc_y): GemmAr
             }
         }};
     }
-    let mut k = 0;
-    while k + 4 <= kc {
-        step!(k);
-        step!(k + 1);
-        step!(k + 2);
-        step!(k + 3);
-        k += 4;
-    }
-    while k < kc {
-        step!(k);
-        k += 1;
+    if R == MR {
+        // Whole strips take the assembly loop of the block products.
+        let mut a: [__m256; 2 * MR] = std::array::from_fn(|i| acc[i / 2][i % 2]);
+        // SAFETY: the caller guarantees `R` rows of `x` (stride `ldx`) with `kc`
+        // elements each and a `[kc][NR]` W panel.
+        unsafe { rows_loop_6x16(&mut a, x, ldx * 4, w, kc) };
+        for (i, v) in a.into_iter().enumerate() {
+            acc[i / 2][i % 2] = v;
+        }
+    } else {
+        let mut k = 0;
+        while k + 4 <= kc {
+            step!(k);
+            step!(k + 1);
+            step!(k + 2);
+            step!(k + 3);
+            k += 4;
+        }
+        while k < kc {
+            step!(k);
+            k += 1;
+        }
     }
     for (r, row) in acc.iter().enumerate() {
         let yp = y.add(r * ldy);
@@ -912,6 +1031,74 @@ unsafe fn gemm_tile<const R: usize>((x, ldx, kc, w, y, ldy, bias, acc_y): GemmAr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The assembly tile loop ([`rows_loop_6x16`]) in both block products gives exactly
+    /// the scalar fused multiply-adds in the same order: `qk` on row-major Q for
+    /// contraction lengths with every remainder of the four-step unroll, and `pv` with
+    /// packed V (the assembly loop) and with a wider V row stride (the intrinsics loop),
+    /// with the rescale factor applied to the output first.
+    #[test]
+    fn tile_loops_match_scalar_fmas() {
+        if !super::super::Isa::Avx2Fma.is_supported() {
+            return;
+        }
+        let mut x = 777u32;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as f32 / u32::MAX as f32 * 2.0 - 1.0
+        };
+        for rows in [6, 18] {
+            for e in [1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 128] {
+                let npanels = 1 + e % 4;
+                let q: Vec<f32> = (0..rows * e).map(|_| rnd()).collect();
+                let kp: Vec<f32> = (0..npanels * e * NR).map(|_| rnd()).collect();
+                let mut s = vec![f32::NAN; rows * BK];
+                // SAFETY: AVX2 and FMA detected above; shapes as the kernel requires.
+                unsafe { qk(&q, rows, e, &kp, npanels, &mut s, BK) };
+                for r in 0..rows {
+                    for j in 0..npanels * NR {
+                        let (pn, c) = (j / NR, j % NR);
+                        let want =
+                            (0..e).fold(0f32, |a, x| q[r * e + x].mul_add(kp[(pn * e + x) * NR + c], a));
+                        assert_eq!(s[r * BK + j], want, "qk rows {rows} e {e} row {r} key {j}");
+                    }
+                }
+            }
+            for nk in [1, 2, 3, 4, 5, 6, 31, 64] {
+                for ldv in [NR, 24] {
+                    let nvp = 2;
+                    let vps = BK * ldv;
+                    let p: Vec<f32> = (0..rows * BK).map(|_| rnd()).collect();
+                    let vp: Vec<f32> = (0..nvp * vps).map(|_| rnd()).collect();
+                    let alpha: Vec<f32> = (0..rows).map(|_| rnd()).collect();
+                    let ldo = nvp * NR + 8;
+                    let o0: Vec<f32> = (0..rows * ldo).map(|_| rnd()).collect();
+                    let mut o = o0.clone();
+                    // SAFETY: AVX2 and FMA detected above; shapes as the kernel requires.
+                    unsafe { pv(&p, rows, nk, &vp, vps, ldv, nvp, &mut o, ldo, &alpha) };
+                    for r in 0..rows {
+                        for c in 0..nvp * NR {
+                            let (n, cc) = (c / NR, c % NR);
+                            let a0 = alpha[r] * o0[r * ldo + c];
+                            let want =
+                                (0..nk).fold(a0, |a, j| p[r * BK + j].mul_add(vp[n * vps + j * ldv + cc], a));
+                            assert_eq!(
+                                o[r * ldo + c],
+                                want,
+                                "pv rows {rows} nk {nk} ldv {ldv} row {r} col {c}"
+                            );
+                        }
+                        assert_eq!(
+                            o[r * ldo + nvp * NR..(r + 1) * ldo],
+                            o0[r * ldo + nvp * NR..(r + 1) * ldo]
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// `qk_max`'s partial maxima give each row's maximum score, for every row of every
     /// strip, with 1 to 4 panels, and its scores equal `qk`'s.

@@ -1140,10 +1140,10 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
     #[cfg(not(target_arch = "x86_64"))]
     let _ = &mx; // only the AVX2 score kernel keeps row maxima
 
-    // The register-tiled score kernels take Q strip-packed, except on AVX-512, whose
-    // 6-row tiles broadcast from the row-major rows (`avx512::qk`); the decode kernels
-    // take it row-major.
-    let strip_q = !matches!(src, KvSrc::Rows) && isa != Isa::Avx512;
+    // The register-tiled score kernels take Q strip-packed, except on AVX-512 and AVX2,
+    // whose 6-row tiles broadcast from the row-major rows (`avx512::qk`, `avx2::qk`); the
+    // decode kernels take it row-major.
+    let strip_q = !matches!(src, KvSrc::Rows) && !matches!(isa, Isa::Avx512 | Isa::Avx2Fma);
     let qb = &mut q.as_mut_slice()[..rows * e];
     let qpm = &mut qp.as_mut_slice()[..rows * e];
     let vis = block_rows(p, blk, (hh, ii, lo, hi), |r, off| {

@@ -37,8 +37,8 @@ pub(crate) fn assert_gemm_operands(
 
 /// Keys per block; also the fixed row stride of the score / probability block.
 pub(crate) const BK: usize = 64;
-/// Rows of a register tile. The portable, AVX2 and NEON score kernels take Q
-/// strip-packed as `[rows / MR][k][MR]`; the AVX-512 ones take it row-major.
+/// Rows of a register tile. The portable and NEON score kernels take Q strip-packed
+/// as `[rows / MR][k][MR]`; the AVX-512 and AVX2 ones take it row-major.
 pub(crate) const MR: usize = 6;
 
 /// Borrowed storage of one input tensor.
