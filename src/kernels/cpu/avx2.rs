@@ -177,8 +177,9 @@ macro_rules! tile_step_6x16 {
 /// `(r % 3)·la + 4x` of group pointer `r / 3` (`g1 = a + 3·la`: six row-major rows of
 /// stride `la` bytes) and loads `b_0`, `b_1` (8 lanes each) from byte `64x` of `b` (a
 /// `[n][16]` panel). Per step 2 loads, 6 broadcasts and 12 FMAs; four steps share one
-/// set of pointer updates. This is the score tile's key loop, so Q stays row-major on
-/// AVX2 and the driver does not copy it into strips.
+/// set of pointer updates. It is the key loop of [`qk`] (so Q stays row-major on AVX2
+/// and the driver does not copy it into strips), of [`pv`] on packed V and of whole
+/// 6-row strips of [`gemm`].
 ///
 /// # Safety
 /// AVX2 and FMA must be available; the six rows must hold `n` floats each and `b`
