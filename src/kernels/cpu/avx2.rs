@@ -1033,6 +1033,16 @@ unsafe fn gemm_tile<const R: usize>((x, ldx, kc, w, y, ldy, bias, acc_y): GemmAr
 mod tests {
     use super::*;
 
+    /// Xorshift values spread over `[-half, half]`, from the nonzero seed `x`.
+    fn uniform(mut x: u32, half: f32) -> impl FnMut() -> f32 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as f32 / u32::MAX as f32 * (2.0 * half) - half
+        }
+    }
+
     /// The assembly tile loop ([`rows_loop_6x16`]) in both block products gives exactly
     /// the scalar fused multiply-adds in the same order: `qk` on row-major Q for
     /// contraction lengths with every remainder of the four-step unroll, and `pv` with
@@ -1043,13 +1053,7 @@ mod tests {
         if !super::super::Isa::Avx2Fma.is_supported() {
             return;
         }
-        let mut x = 777u32;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as f32 / u32::MAX as f32 * 2.0 - 1.0
-        };
+        let mut rnd = uniform(777, 1.0);
         for rows in [6, 18] {
             for e in [1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 128] {
                 let npanels = 1 + e % 4;
@@ -1108,13 +1112,7 @@ mod tests {
         if !super::super::Isa::Avx2Fma.is_supported() {
             return;
         }
-        let mut x = 12345u32;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as f32 / u32::MAX as f32 * 8.0 - 4.0
-        };
+        let mut rnd = uniform(12345, 4.0);
         for (rows, e, npanels) in [(6, 1, 1), (12, 7, 2), (18, 64, 4), (144, 128, 4), (30, 33, 3)] {
             let q: Vec<f32> = (0..rows * e).map(|_| rnd()).collect();
             let kp: Vec<f32> = (0..npanels * e * NR).map(|_| rnd()).collect();
