@@ -118,6 +118,7 @@ impl View<'_> {
             return;
         }
         if st == 1 {
+            // (Each arm applies `mul` in the same pass.)
             match self.data {
                 Data::F32(s) => {
                     let src = &s[off..off + n];
@@ -128,56 +129,68 @@ impl View<'_> {
                             *d = x * mul;
                         }
                     }
-                    return;
                 }
-                Data::F16(s) => f16_to_f32(&s[off..off + n], dst),
-                Data::BF16(s) => bf16_to_f32(&s[off..off + n], dst),
+                Data::F16(s) => f16_to_f32(&s[off..off + n], dst, mul),
+                Data::BF16(s) => bf16_to_f32(&s[off..off + n], dst, mul),
             }
-        } else {
-            match self.data {
-                Data::F32(s) => {
-                    for (x, d) in dst.iter_mut().enumerate() {
-                        *d = s[off + x * st];
-                    }
+            return;
+        }
+        match self.data {
+            Data::F32(s) => {
+                for (x, d) in dst.iter_mut().enumerate() {
+                    *d = s[off + x * st];
                 }
-                Data::F16(s) => {
-                    for (x, d) in dst.iter_mut().enumerate() {
-                        *d = s[off + x * st].to_f32();
-                    }
+            }
+            Data::F16(s) => {
+                for (x, d) in dst.iter_mut().enumerate() {
+                    *d = s[off + x * st].to_f32();
                 }
-                Data::BF16(s) => {
-                    for (x, d) in dst.iter_mut().enumerate() {
-                        *d = s[off + x * st].to_f32();
-                    }
+            }
+            Data::BF16(s) => {
+                for (x, d) in dst.iter_mut().enumerate() {
+                    *d = s[off + x * st].to_f32();
                 }
             }
         }
-        if mul != 1.0 {
-            for d in dst.iter_mut() {
-                *d *= mul;
-            }
-        }
+        scale_in_place(dst, mul);
     }
 }
 
-/// bf16 → f32 is a 16-bit shift (AVX-512 or AVX2 where available, else auto-vectorised).
+/// bf16 → f32, times `mul` (skipped when it is 1): a 16-bit shift (AVX-512 or AVX2
+/// where available, else auto-vectorised).
 #[inline]
-fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
+fn bf16_to_f32(src: &[bf16], dst: &mut [f32], mul: f32) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: AVX-512F was detected just above.
             unsafe { bf16_to_f32_avx512(src, dst) };
+            scale_in_place(dst, mul);
             return;
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 was detected just above.
-            unsafe { bf16_to_f32_avx2(src, dst) };
+            unsafe {
+                if mul == 1.0 {
+                    bf16_to_f32_avx2::<false>(src, dst, mul)
+                } else {
+                    bf16_to_f32_avx2::<true>(src, dst, mul)
+                }
+            };
             return;
         }
     }
     for (d, s) in dst.iter_mut().zip(src) {
         *d = f32::from_bits((s.to_bits() as u32) << 16);
+    }
+    scale_in_place(dst, mul);
+}
+
+/// `x *= mul` for every element, unless `mul` is 1.
+#[inline]
+fn scale_in_place(x: &mut [f32], mul: f32) {
+    if mul != 1.0 {
+        x.iter_mut().for_each(|d| *d *= mul);
     }
 }
 
@@ -206,13 +219,17 @@ unsafe fn bf16_to_f32_avx512(src: &[bf16], dst: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 const PF_HALF: usize = 512;
 
+/// With `SCALE`, each element is also multiplied by `mul` (same result as a separate
+/// pass).
+///
 /// # Safety
 /// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn bf16_to_f32_avx2(src: &[bf16], dst: &mut [f32]) {
+unsafe fn bf16_to_f32_avx2<const SCALE: bool>(src: &[bf16], dst: &mut [f32], mul: f32) {
     use std::arch::x86_64::*;
     let n = src.len().min(dst.len());
+    let mv = _mm256_set1_ps(mul);
     let mut i = 0;
     while i + 8 <= n {
         if i.is_multiple_of(32) {
@@ -222,36 +239,49 @@ unsafe fn bf16_to_f32_avx2(src: &[bf16], dst: &mut [f32]) {
         }
         // SAFETY: `i + 8 <= n` elements are in bounds of both slices.
         let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-        let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
-        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_castsi256_ps(w));
+        let w = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
+        let w = if SCALE { _mm256_mul_ps(w, mv) } else { w };
+        _mm256_storeu_ps(dst.as_mut_ptr().add(i), w);
         i += 8;
     }
     for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
-        *d = f32::from_bits((s.to_bits() as u32) << 16);
+        let x = f32::from_bits((s.to_bits() as u32) << 16);
+        *d = if SCALE { x * mul } else { x };
     }
 }
 
-/// f16 → f32, with F16C when available.
+/// f16 → f32, times `mul` (skipped when it is 1), with F16C when available.
 #[inline]
-fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+fn f16_to_f32(src: &[f16], dst: &mut [f32], mul: f32) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx") {
             // SAFETY: F16C and AVX were detected just above.
-            unsafe { f16_to_f32_f16c(src, dst) };
+            unsafe {
+                if mul == 1.0 {
+                    f16_to_f32_f16c::<false>(src, dst, mul)
+                } else {
+                    f16_to_f32_f16c::<true>(src, dst, mul)
+                }
+            };
             return;
         }
     }
     src.convert_to_f32_slice(dst);
+    scale_in_place(dst, mul);
 }
 
+/// With `SCALE`, each element is also multiplied by `mul` (same result as a separate
+/// pass).
+///
 /// # Safety
 /// The CPU must support AVX and F16C; `dst.len() == src.len()`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx,f16c")]
-unsafe fn f16_to_f32_f16c(src: &[f16], dst: &mut [f32]) {
+unsafe fn f16_to_f32_f16c<const SCALE: bool>(src: &[f16], dst: &mut [f32], mul: f32) {
     use std::arch::x86_64::*;
     let n = src.len().min(dst.len());
+    let mv = _mm256_set1_ps(mul);
     let mut i = 0;
     while i + 8 <= n {
         if i.is_multiple_of(32) {
@@ -260,11 +290,13 @@ unsafe fn f16_to_f32_f16c(src: &[f16], dst: &mut [f32]) {
         }
         // SAFETY: `i + 8 <= n` elements are in bounds of both slices.
         let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        let w = _mm256_cvtph_ps(h);
+        let w = if SCALE { _mm256_mul_ps(w, mv) } else { w };
+        _mm256_storeu_ps(dst.as_mut_ptr().add(i), w);
         i += 8;
     }
     for (d, s) in dst[i..n].iter_mut().zip(&src[i..n]) {
-        *d = s.to_f32();
+        *d = if SCALE { s.to_f32() * mul } else { s.to_f32() };
     }
 }
 
@@ -589,6 +621,12 @@ impl OutElem for f16 {
             // SAFETY: AVX-512F was detected just above; `dst` holds `src.len()` elements.
             return unsafe { super::avx512::store_f16(dst.as_mut_ptr().cast(), src, 1.0) };
         }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+            // SAFETY: AVX2 and F16C were detected just above; `dst` holds `src.len()`
+            // elements.
+            return unsafe { super::avx2::store_f16(dst.as_mut_ptr().cast(), src, 1.0) };
+        }
         store_converted(dst, src, |b, s| b.convert_from_f32_slice(s));
     }
 
@@ -601,6 +639,12 @@ impl OutElem for f16 {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: AVX-512F was detected just above; `dst` holds `src.len()` elements.
             return unsafe { super::avx512::store_f16(dst.as_mut_ptr().cast(), src, scale) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+            // SAFETY: AVX2 and F16C were detected just above; `dst` holds `src.len()`
+            // elements.
+            return unsafe { super::avx2::store_f16(dst.as_mut_ptr().cast(), src, scale) };
         }
         scaled_then_stored(dst, src, scale, tmp);
     }
@@ -617,6 +661,11 @@ impl OutElem for bf16 {
             // elements.
             return unsafe { super::avx512::store_bf16(dst.as_mut_ptr().cast(), src, 1.0) };
         }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected just above; `dst` holds `src.len()` elements.
+            return unsafe { super::avx2::store_bf16(dst.as_mut_ptr().cast(), src, 1.0) };
+        }
         store_converted(dst, src, |b, s| b.convert_from_f32_slice(s));
     }
 
@@ -630,6 +679,11 @@ impl OutElem for bf16 {
             // SAFETY: both features were detected just above; `dst` holds `src.len()`
             // elements.
             return unsafe { super::avx512::store_bf16(dst.as_mut_ptr().cast(), src, scale) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected just above; `dst` holds `src.len()` elements.
+            return unsafe { super::avx2::store_bf16(dst.as_mut_ptr().cast(), src, scale) };
         }
         scaled_then_stored(dst, src, scale, tmp);
     }
