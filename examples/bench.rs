@@ -23,8 +23,10 @@
 //! Before the first case and after the last, the bench also measures the machine's f32
 //! FMA peak on all of the kernel's threads at once (a register-only loop of independent
 //! fused multiply-adds in the kernel's instruction set) and prints it to stderr, so a
-//! run's GFLOP/s can be read as a fraction of that run's peak (`--no-peak` skips it;
-//! `--peak-only` measures it and exits).
+//! run's GFLOP/s can be read as a fraction of that run's peak; and its DRAM read
+//! bandwidth on the same threads (each sums its own share of a 256 MiB buffer), so a
+//! decode case's GB/s can be read as a fraction of that run's bandwidth (`--no-peak`
+//! skips both; `--peak-only` measures both and exits).
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -487,11 +489,60 @@ fn fma_peak(secs: f64) -> Option<(f64, usize, &'static str)> {
     Some((runs[1], threads, isa))
 }
 
+/// Bytes of the buffer that [`read_bw`] reads: 8× this machine's 32 MiB L3, so every
+/// pass streams from DRAM.
+const BW_BYTES: usize = 256 << 20;
+
+/// Sum of `x` with 32 independent partial sums, so the loop is limited by memory and
+/// not by the latency of one chain of additions.
+fn sum_f32(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 32];
+    for c in x.chunks_exact(32) {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + x.chunks_exact(32).remainder().iter().sum::<f32>()
+}
+
+/// The machine's DRAM read bandwidth in GB/s with every rayon thread (the kernel's pool)
+/// summing its own contiguous share of a [`BW_BYTES`] buffer at once, the median of
+/// three runs of about `secs` each (the decode cases' `gbps` can be read as a fraction
+/// of it), and the thread count.
+fn read_bw(secs: f64) -> (f64, usize) {
+    let threads = rayon::current_num_threads().max(1);
+    let n = BW_BYTES / 4;
+    // Filled before timing, so the pages are resident.
+    let buf = vec![1.0f32; n];
+    let per = n / threads;
+    let pass = |reps: usize| -> f64 {
+        let t = Instant::now();
+        let sums = rayon::broadcast(|ctx| {
+            let part = &buf[ctx.index() * per..(ctx.index() + 1) * per];
+            (0..reps)
+                .map(|_| sum_f32(std::hint::black_box(part)))
+                .sum::<f32>()
+        });
+        std::hint::black_box(sums);
+        (reps * per * threads * 4) as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    let first = pass(1);
+    let reps = ((secs * first * 1e9 / BW_BYTES as f64).ceil() as usize).max(1);
+    let mut runs: Vec<f64> = (0..3).map(|_| pass(reps)).collect();
+    runs.sort_by(f64::total_cmp);
+    (runs[1], threads)
+}
+
 fn report_peak(when: &str) {
     match fma_peak(0.5) {
         Some((g, t, isa)) => eprintln!("fma_peak {when}: {g:.1} GFLOP/s f32 ({t} threads, {isa})"),
         None => eprintln!("fma_peak {when}: not measured (portable kernel)"),
     }
+    let (bw, t) = read_bw(0.5);
+    eprintln!(
+        "read_bw {when}: {bw:.1} GB/s ({t} threads, {} MiB)",
+        BW_BYTES >> 20
+    );
 }
 
 fn main() -> Result<()> {

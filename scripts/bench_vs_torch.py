@@ -13,8 +13,9 @@ whole calls for at least `min-secs`; the figure is the median time per call. PyT
 threads as the machine has cores, under `torch.inference_mode()`. Torch and the Rust binary
 alternate: torch, rust, torch; torch's figure is the median over both of its turns. The Rust
 side runs `--impl ours` (the candle comparisons come from `examples/bench.rs` itself). The
-machine's f32 FMA peak (`bench --peak-only`) is printed before the first case and after the
-last.
+machine's f32 FMA peak and DRAM read bandwidth (`bench --peak-only`) are printed before the
+first case and after the last, and `ours_GB/s` (bytes of q, k, v and the output per second,
+as the Rust bench counts them) can be read against that bandwidth for the decode cases.
 """
 import argparse
 import json
@@ -107,7 +108,7 @@ def main():
     torch.set_num_threads(os.cpu_count())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print_peak()
-    print(f"{'case':<18} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10}")
+    print(f"{'case':<18} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10} {'ours_GB/s':>9}")
     for name, spec in CASES.items():
         if args.case and args.case != name:
             continue
@@ -115,15 +116,16 @@ def main():
             if args.dtype and args.dtype != dtype:
                 continue
             torch_t = [torch_case(name, dtype, args.rounds, args.min_secs) * 1e3]
-            ours = rust_case(name, dtype, args.rounds, args.min_secs)["ours"]["ms"]
+            r = rust_case(name, dtype, args.rounds, args.min_secs)["ours"]
+            ours = r["ms"]
             torch_t.append(torch_case(name, dtype, args.rounds, args.min_secs) * 1e3)
             t = statistics.median(torch_t)
-            print(f"{name:<18} {dtype:<5} {t:>10.3f} {ours:>10.3f} {t / ours:>10.2f}", flush=True)
+            print(f"{name:<18} {dtype:<5} {t:>10.3f} {ours:>10.3f} {t / ours:>10.2f} {r['gbps']:>9.2f}", flush=True)
     print_peak()
 
 
 def print_peak():
-    """The machine's f32 FMA peak now, as measured by the Rust benchmark."""
+    """The machine's f32 FMA peak and read bandwidth now, as measured by the Rust benchmark."""
     out = subprocess.run([BIN, "--peak-only"], check=True, capture_output=True, text=True)
     print(out.stderr.strip(), flush=True)
 
