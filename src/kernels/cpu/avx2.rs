@@ -602,7 +602,9 @@ unsafe fn prefetch_bytes(p: *const u8, bytes: usize) {
 /// stride [`BK`]; V row `j` at element `j * ldv` of `v` (f32, or half precision read in
 /// place and widened in registers); `o`: row stride `ldo`. Reading each streamed V row
 /// to its end before the next keeps DRAM reads sequential, where the panel kernel
-/// [`pv`] reads 16 columns of every row per pass.
+/// [`pv`] reads 16 columns of every row per pass. With four keys, the rows go in pairs,
+/// so each V vector is loaded and widened once per two rows (a GQA group's rows share
+/// the V rows).
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available.
@@ -664,7 +666,36 @@ unsafe fn pv_rows_impl<const T: u8>(
             prefetch_bytes(v.wrapping_add((j + jj + PF_KEYS) * ldv * size), ncols * size);
         }
         let vr = j * ldv;
-        for r in 0..live {
+        let mut r = 0;
+        if t == 4 {
+            // Two rows at a time: each V vector is loaded (and widened) once for both.
+            while r + 2 <= live {
+                let (pa, pb) = (p.add(r * BK + j), p.add((r + 1) * BK + j));
+                let (oa, ob) = (o.add(r * ldo), o.add((r + 1) * ldo));
+                let a = [0, 1, 2, 3].map(|i| _mm256_broadcast_ss(&*pa.add(i)));
+                let b = [0, 1, 2, 3].map(|i| _mm256_broadcast_ss(&*pb.add(i)));
+                for c in (0..ncols).step_by(8) {
+                    let v0 = load8::<T>(v, vr + c);
+                    let v1 = load8::<T>(v, vr + ldv + c);
+                    let v2 = load8::<T>(v, vr + 2 * ldv + c);
+                    let v3 = load8::<T>(v, vr + 3 * ldv + c);
+                    let mut x = _mm256_loadu_ps(oa.add(c));
+                    x = _mm256_fmadd_ps(a[0], v0, x);
+                    x = _mm256_fmadd_ps(a[1], v1, x);
+                    x = _mm256_fmadd_ps(a[2], v2, x);
+                    x = _mm256_fmadd_ps(a[3], v3, x);
+                    _mm256_storeu_ps(oa.add(c), x);
+                    let mut y = _mm256_loadu_ps(ob.add(c));
+                    y = _mm256_fmadd_ps(b[0], v0, y);
+                    y = _mm256_fmadd_ps(b[1], v1, y);
+                    y = _mm256_fmadd_ps(b[2], v2, y);
+                    y = _mm256_fmadd_ps(b[3], v3, y);
+                    _mm256_storeu_ps(ob.add(c), y);
+                }
+                r += 2;
+            }
+        }
+        for r in r..live {
             let pr = p.add(r * BK + j);
             let orow = o.add(r * ldo);
             if t == 4 {
