@@ -1081,7 +1081,7 @@ pub(crate) unsafe fn store_f16(dst: *mut half::f16, src: &[f32], scale: f32) {
     }
 }
 
-/// Eight products `src · scale` as bf16 bit patterns in the low 16 bits of each 32-bit
+/// The eight f32 lanes of `v` as bf16 bit patterns in the low 16 bits of each 32-bit
 /// lane, rounded as `half::bf16::from_f32`: to nearest even (add `0x7fff` plus the
 /// lowest kept bit, then shift), and a NaN keeps its top bits with the quiet bit set.
 #[inline]
