@@ -636,6 +636,53 @@ pub(super) unsafe fn pv_rows(
     }
 }
 
+/// Four keys' V vectors: 8 elements at element `at` of `v`, then of the next three rows
+/// (row stride `ldv`), widened to f32.
+///
+/// # Safety
+/// AVX2 and F16C must be available; the four rows must hold 8 elements at `at`.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn v4<const T: u8>(v: *const u8, at: usize, ldv: usize) -> [__m256; 4] {
+    // (No `map` closure: closures do not inherit `target_feature`.)
+    [
+        load8::<T>(v, at),
+        load8::<T>(v, at + ldv),
+        load8::<T>(v, at + 2 * ldv),
+        load8::<T>(v, at + 3 * ldv),
+    ]
+}
+
+/// Four probabilities from `p`, each broadcast to 8 lanes.
+///
+/// # Safety
+/// AVX must be available; `p` must hold 4 floats.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn p4(p: *const f32) -> [__m256; 4] {
+    [
+        _mm256_broadcast_ss(&*p),
+        _mm256_broadcast_ss(&*p.add(1)),
+        _mm256_broadcast_ss(&*p.add(2)),
+        _mm256_broadcast_ss(&*p.add(3)),
+    ]
+}
+
+/// `*o += p[0]·v[0] + p[1]·v[1] + p[2]·v[2] + p[3]·v[3]` on 8 lanes, as four fused
+/// multiply-adds in that order.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `o` must hold 8 floats.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn madd4(o: *mut f32, p: &[__m256; 4], v: &[__m256; 4]) {
+    let mut acc = _mm256_loadu_ps(o);
+    for (&pi, &vi) in p.iter().zip(v) {
+        acc = _mm256_fmadd_ps(pi, vi, acc);
+    }
+    _mm256_storeu_ps(o, acc);
+}
+
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_rows_impl<const T: u8>(
@@ -670,48 +717,26 @@ unsafe fn pv_rows_impl<const T: u8>(
         if t == 4 {
             // Two rows at a time: each V vector is loaded (and widened) once for both.
             while r + 2 <= live {
-                let (pa, pb) = (p.add(r * BK + j), p.add((r + 1) * BK + j));
+                let (a, b) = (p4(p.add(r * BK + j)), p4(p.add((r + 1) * BK + j)));
                 let (oa, ob) = (o.add(r * ldo), o.add((r + 1) * ldo));
-                let a = [0, 1, 2, 3].map(|i| _mm256_broadcast_ss(&*pa.add(i)));
-                let b = [0, 1, 2, 3].map(|i| _mm256_broadcast_ss(&*pb.add(i)));
                 for c in (0..ncols).step_by(8) {
-                    let v0 = load8::<T>(v, vr + c);
-                    let v1 = load8::<T>(v, vr + ldv + c);
-                    let v2 = load8::<T>(v, vr + 2 * ldv + c);
-                    let v3 = load8::<T>(v, vr + 3 * ldv + c);
-                    let mut x = _mm256_loadu_ps(oa.add(c));
-                    x = _mm256_fmadd_ps(a[0], v0, x);
-                    x = _mm256_fmadd_ps(a[1], v1, x);
-                    x = _mm256_fmadd_ps(a[2], v2, x);
-                    x = _mm256_fmadd_ps(a[3], v3, x);
-                    _mm256_storeu_ps(oa.add(c), x);
-                    let mut y = _mm256_loadu_ps(ob.add(c));
-                    y = _mm256_fmadd_ps(b[0], v0, y);
-                    y = _mm256_fmadd_ps(b[1], v1, y);
-                    y = _mm256_fmadd_ps(b[2], v2, y);
-                    y = _mm256_fmadd_ps(b[3], v3, y);
-                    _mm256_storeu_ps(ob.add(c), y);
+                    let vs = v4::<T>(v, vr + c, ldv);
+                    madd4(oa.add(c), &a, &vs);
+                    madd4(ob.add(c), &b, &vs);
                 }
                 r += 2;
             }
         }
         for r in r..live {
-            let pr = p.add(r * BK + j);
             let orow = o.add(r * ldo);
             if t == 4 {
-                let (p0, p1) = (_mm256_broadcast_ss(&*pr), _mm256_broadcast_ss(&*pr.add(1)));
-                let (p2, p3) = (_mm256_broadcast_ss(&*pr.add(2)), _mm256_broadcast_ss(&*pr.add(3)));
+                let pr = p4(p.add(r * BK + j));
                 for c in (0..ncols).step_by(8) {
-                    let mut acc = _mm256_loadu_ps(orow.add(c));
-                    acc = _mm256_fmadd_ps(p0, load8::<T>(v, vr + c), acc);
-                    acc = _mm256_fmadd_ps(p1, load8::<T>(v, vr + ldv + c), acc);
-                    acc = _mm256_fmadd_ps(p2, load8::<T>(v, vr + 2 * ldv + c), acc);
-                    acc = _mm256_fmadd_ps(p3, load8::<T>(v, vr + 3 * ldv + c), acc);
-                    _mm256_storeu_ps(orow.add(c), acc);
+                    madd4(orow.add(c), &pr, &v4::<T>(v, vr + c, ldv));
                 }
             } else {
                 for jj in 0..t {
-                    let pj = _mm256_broadcast_ss(&*pr.add(jj));
+                    let pj = _mm256_broadcast_ss(&*p.add(r * BK + j + jj));
                     for c in (0..ncols).step_by(8) {
                         let vj = load8::<T>(v, vr + jj * ldv + c);
                         _mm256_storeu_ps(orow.add(c), _mm256_fmadd_ps(pj, vj, _mm256_loadu_ps(orow.add(c))));
