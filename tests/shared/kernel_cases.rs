@@ -161,6 +161,37 @@ pub const SHAPES: &[Shape] = &[
         e: 16,
         ev: 64,
     },
+    // The AVX-512 decode kernels that walk K and V rows in order: 7 rows per kv head
+    // against 13 output panels (panel chunks of 8, 4 and 1; row tiles of 2, 2, 2, 1, then
+    // 6, 1) with E = 256 (Q rows in registers, one per strip); E = 64 in strips of 4 and
+    // 3 rows against Ev = 256 (one 16-panel chunk); E = 128 in strips of 2 and 1 rows.
+    Shape {
+        b: 1,
+        hq: 7,
+        hkv: 1,
+        l: 1,
+        s: 150,
+        e: 256,
+        ev: 208,
+    },
+    Shape {
+        b: 2,
+        hq: 7,
+        hkv: 1,
+        l: 1,
+        s: 100,
+        e: 64,
+        ev: 256,
+    },
+    Shape {
+        b: 1,
+        hq: 3,
+        hkv: 1,
+        l: 1,
+        s: 70,
+        e: 128,
+        ev: 128,
+    },
     Shape {
         b: 2,
         hq: 4,

@@ -79,20 +79,6 @@ const F32: u8 = 0;
 const BF16: u8 = 1;
 const F16: u8 = 2;
 
-/// How many keys ahead the decode kernels ask for K/V rows. They stream rows that are
-/// each read once, and the hardware prefetchers stop at page boundaries; 16 rows ahead
-/// measured best among 4, 8, 16 and 32 on `decode_gqa` and `decode_b4`.
-const PF_KEYS: usize = 16;
-
-/// Asks for the cache line holding element `idx` of kind `T` at `p`: a hint that never
-/// faults, so `idx` may run past the data.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn prefetch<const T: u8>(p: *const u8, idx: usize) {
-    let size = if T == F32 { 4 } else { 2 };
-    _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(idx * size));
-}
-
 /// 16 elements of kind `T` at element index `idx` of `p`, as f32.
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -867,7 +853,7 @@ pub(super) unsafe fn pv(
             vps,
             ldv,
         };
-        pv_impl::<F32, 1>(src, rows, live, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
+        pv_impl::<1>(src, rows, live, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
     }
 }
 
@@ -906,53 +892,7 @@ pub(super) unsafe fn pv_pair(
             vps,
             ldv: NR,
         };
-        pv_impl::<F32, 2>(src, rows, rows, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
-    }
-}
-
-/// [`pv`] with V rows read straight from the source (f32, bf16 or f16), widened in
-/// registers (decode path). For bf16 rows, the output columns of each whole pair of
-/// 16-column panels (panels `2m` and `2m + 1`, `2m + 1 < nvp`) are kept in the split
-/// layout of [`split_pairs`]: the caller applies [`merge_pairs`] once all keys are in.
-///
-/// # Safety
-/// AVX-512F must be available.
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn pv_raw(
-    p: &[f32],
-    rows: usize,
-    live: usize,
-    nk: usize,
-    v: Data,
-    vps: usize,
-    ldv: usize,
-    nvp: usize,
-    o: &mut [f32],
-    ldo: usize,
-    alpha: &[f32],
-) {
-    let (ptr, len) = data_ptr(v);
-    assert!(rows.is_multiple_of(MR) && BK >= nk && ldo >= nvp * NR && alpha.len() >= rows);
-    // bf16 panel pairs are read as one 32-element load (`pv_contract`).
-    assert!(vps == NR || !matches!(v, Data::BF16(_)));
-    assert!(p.len() >= rows * BK);
-    assert!(nvp == 0 || nk == 0 || len >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
-    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
-    let src = PvSrc {
-        p: p.as_ptr(),
-        ldp: BK,
-        segs: [(ptr, nk), (std::ptr::null(), 0)],
-        vps,
-        ldv,
-    };
-    let (op, al) = (o.as_mut_ptr(), alpha.as_ptr());
-    // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe {
-        match v {
-            Data::F32(_) => pv_impl::<F32, 1>(src, rows, live, nvp, op, ldo, al),
-            Data::BF16(_) => pv_impl::<BF16, 1>(src, rows, live, nvp, op, ldo, al),
-            Data::F16(_) => pv_impl::<F16, 1>(src, rows, live, nvp, op, ldo, al),
-        }
+        pv_impl::<2>(src, rows, rows, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
     }
 }
 
@@ -987,7 +927,7 @@ impl PvSrc {
 }
 
 #[target_feature(enable = "avx512f")]
-unsafe fn pv_impl<const T: u8, const G: usize>(
+unsafe fn pv_impl<const G: usize>(
     src: PvSrc,
     rows: usize,
     live: usize,
@@ -1005,32 +945,30 @@ unsafe fn pv_impl<const T: u8, const G: usize>(
             let v0 = n * src.vps;
             if n + 4 <= nvp {
                 // Four panels (64 outputs) per pass: `4·live` accumulators hide the FMA
-                // latency, and each P element is broadcast once per 64 outputs. Measured
-                // against two panels, alternating binaries: `decode_b4` 5.68 → 4.98 ms
-                // (bf16), 10.99 → 10.23 (f32); `decode_gqa` bf16 0.560 → 0.537.
+                // latency, and each P element is broadcast once per 64 outputs.
                 match live {
                     0 => {}
-                    1 => pv_tile::<1, 4, T, G>(src, v0, op, ldo, alpha),
-                    2 => pv_tile::<2, 4, T, G>(src, v0, op, ldo, alpha),
-                    3 => pv_tile::<3, 4, T, G>(src, v0, op, ldo, alpha),
-                    4 => pv_tile::<4, 4, T, G>(src, v0, op, ldo, alpha),
-                    _ => pv_tile::<5, 4, T, G>(src, v0, op, ldo, alpha),
+                    1 => pv_tile::<1, 4, G>(src, v0, op, ldo, alpha),
+                    2 => pv_tile::<2, 4, G>(src, v0, op, ldo, alpha),
+                    3 => pv_tile::<3, 4, G>(src, v0, op, ldo, alpha),
+                    4 => pv_tile::<4, 4, G>(src, v0, op, ldo, alpha),
+                    _ => pv_tile::<5, 4, G>(src, v0, op, ldo, alpha),
                 }
                 n += 4;
                 continue;
             }
             match (live, two) {
                 (0, _) => {}
-                (1, true) => pv_tile::<1, 2, T, G>(src, v0, op, ldo, alpha),
-                (1, false) => pv_tile::<1, 1, T, G>(src, v0, op, ldo, alpha),
-                (2, true) => pv_tile::<2, 2, T, G>(src, v0, op, ldo, alpha),
-                (2, false) => pv_tile::<2, 1, T, G>(src, v0, op, ldo, alpha),
-                (3, true) => pv_tile::<3, 2, T, G>(src, v0, op, ldo, alpha),
-                (3, false) => pv_tile::<3, 1, T, G>(src, v0, op, ldo, alpha),
-                (4, true) => pv_tile::<4, 2, T, G>(src, v0, op, ldo, alpha),
-                (4, false) => pv_tile::<4, 1, T, G>(src, v0, op, ldo, alpha),
-                (_, true) => pv_tile::<5, 2, T, G>(src, v0, op, ldo, alpha),
-                (_, false) => pv_tile::<5, 1, T, G>(src, v0, op, ldo, alpha),
+                (1, true) => pv_tile::<1, 2, G>(src, v0, op, ldo, alpha),
+                (1, false) => pv_tile::<1, 1, G>(src, v0, op, ldo, alpha),
+                (2, true) => pv_tile::<2, 2, G>(src, v0, op, ldo, alpha),
+                (2, false) => pv_tile::<2, 1, G>(src, v0, op, ldo, alpha),
+                (3, true) => pv_tile::<3, 2, G>(src, v0, op, ldo, alpha),
+                (3, false) => pv_tile::<3, 1, G>(src, v0, op, ldo, alpha),
+                (4, true) => pv_tile::<4, 2, G>(src, v0, op, ldo, alpha),
+                (4, false) => pv_tile::<4, 1, G>(src, v0, op, ldo, alpha),
+                (_, true) => pv_tile::<5, 2, G>(src, v0, op, ldo, alpha),
+                (_, false) => pv_tile::<5, 1, G>(src, v0, op, ldo, alpha),
             }
             n += if two { 2 } else { 1 };
         }
@@ -1045,7 +983,7 @@ unsafe fn pv_impl<const T: u8, const G: usize>(
                 let r0 = st * MR;
                 let (sr, v0) = (src.rows_from(r0), n * src.vps);
                 let (op, al) = (o.add(r0 * ldo + n * NR), alpha.add(r0));
-                pv_tile::<6, 4, T, G>(sr, v0, op, ldo, al);
+                pv_tile::<6, 4, G>(sr, v0, op, ldo, al);
             }
             n += 4;
             continue;
@@ -1058,10 +996,10 @@ unsafe fn pv_impl<const T: u8, const G: usize>(
             let (sr, v0) = (src.rows_from(r0), n * src.vps);
             let (op, al) = (o.add(r0 * ldo + n * NR), alpha.add(r0));
             match (both, two) {
-                (true, true) => pv_tile::<12, 2, T, G>(sr, v0, op, ldo, al),
-                (true, false) => pv_tile::<12, 1, T, G>(sr, v0, op, ldo, al),
-                (false, true) => pv_tile::<6, 2, T, G>(sr, v0, op, ldo, al),
-                (false, false) => pv_tile::<6, 1, T, G>(sr, v0, op, ldo, al),
+                (true, true) => pv_tile::<12, 2, G>(sr, v0, op, ldo, al),
+                (true, false) => pv_tile::<12, 1, G>(sr, v0, op, ldo, al),
+                (false, true) => pv_tile::<6, 2, G>(sr, v0, op, ldo, al),
+                (false, false) => pv_tile::<6, 1, G>(sr, v0, op, ldo, al),
             }
             st += if both { 2 } else { 1 };
         }
@@ -1072,7 +1010,7 @@ unsafe fn pv_impl<const T: u8, const G: usize>(
 /// One `R × (N·NR)` tile of `O = α·O + P·V`, V panels from element offset `v0` of each run.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const G: usize>(
+unsafe fn pv_tile<const R: usize, const N: usize, const G: usize>(
     src: PvSrc,
     v0: usize,
     op: *mut f32,
@@ -1088,7 +1026,7 @@ unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const G: usize>(
         }
     }
     let mut ps = src.p;
-    if R == MR && N == 4 && T == F32 && ldv == NR {
+    if R == MR && N == 4 && ldv == NR {
         // SAFETY: with `R == 6` and `N == 4`, `acc` is a `[[__m512; 4]; 6]`; the P rows
         // and V panels are those the loop below would read.
         let a6 = unsafe { &mut *(acc.as_mut_ptr() as *mut [[__m512; 4]; 6]) };
@@ -1098,7 +1036,7 @@ unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const G: usize>(
             ps = ps.add(nk);
         }
     } else {
-        pv_contract::<R, N, T, G>(&mut acc, src, v0);
+        pv_contract::<R, N, G>(&mut acc, src, v0);
     }
     for (r, row) in acc.iter().enumerate() {
         for (ni, &v) in row.iter().enumerate() {
@@ -1111,7 +1049,7 @@ unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const G: usize>(
 /// loop.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usize>(
+unsafe fn pv_contract<const R: usize, const N: usize, const G: usize>(
     acc: &mut [[__m512; N]; R],
     src: PvSrc,
     v0: usize,
@@ -1119,27 +1057,9 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
     let (vps, ldv, ldp) = (src.vps, src.ldv, src.ldp);
     let mut ps = src.p;
     for &(vb, nk) in &src.segs[..G] {
+        let vb = vb as *const f32;
         for j in 0..nk {
-            let mut vv = [_mm512_setzero_ps(); N];
-            for ni in 0..N {
-                if R < MR {
-                    // Decode tiles stream V rows read once: ask for the row `PF_KEYS` ahead.
-                    prefetch::<T>(vb, v0 + ni * vps + (j + PF_KEYS) * ldv);
-                }
-                if T == BF16 && ni % 2 == 1 {
-                    continue;
-                }
-                if T == BF16 && ni + 1 < N {
-                    // A panel pair of bf16 rows read in place (adjacent panels, `vps ==
-                    // NR`) in one load, split even / odd: the output columns of the pair
-                    // come out in the split layout (see `pv_raw`).
-                    let (ve, vo) = load32_bf16_split((vb as *const u16).add(v0 + ni * vps + j * ldv));
-                    vv[ni] = ve;
-                    vv[ni + 1] = vo;
-                } else {
-                    vv[ni] = load16::<T>(vb, v0 + ni * vps + j * ldv);
-                }
-            }
+            let vv: [__m512; N] = std::array::from_fn(|ni| _mm512_loadu_ps(vb.add(v0 + ni * vps + j * ldv)));
             for (r, row) in acc.iter_mut().enumerate() {
                 let a = _mm512_set1_ps(*ps.add(r * ldp + j));
                 for ni in 0..N {
@@ -1228,130 +1148,6 @@ pub(super) unsafe fn qk_dot_raw(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f")]
-unsafe fn qk_dot_impl<const T: u8>(
-    q: *const f32,
-    rows: usize,
-    live_rows: usize,
-    e: usize,
-    k: *const u8,
-    ldk: usize,
-    nk: usize,
-    s: *mut f32,
-    lds: usize,
-) {
-    if live_rows == 1 && rows == MR {
-        return qk_dot_row::<T>(q, e, k, ldk, nk, s);
-    }
-    for strip in 0..rows / MR {
-        let (qs, sp) = (q.add(strip * MR * e), s.add(strip * MR * lds));
-        let args = (qs, e, k, ldk, nk, sp, lds);
-        match live_rows.saturating_sub(strip * MR).min(MR) {
-            0 => qk_dot_strip::<T, 0>(args),
-            1 => qk_dot_strip::<T, 1>(args),
-            2 => qk_dot_strip::<T, 2>(args),
-            3 => qk_dot_strip::<T, 3>(args),
-            4 => qk_dot_strip::<T, 4>(args),
-            5 => qk_dot_strip::<T, 5>(args),
-            _ => qk_dot_strip::<T, MR>(args),
-        }
-    }
-}
-
-/// `(Q strip rows, E, K base, K row stride, key count, score rows, score row stride)`.
-type DotArgs = (*const f32, usize, *const u8, usize, usize, *mut f32, usize);
-
-/// One `MR`-row strip of [`qk_dot_impl`] whose first `LIVE` rows are real (the rest get
-/// zero scores): four keys per pass.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn qk_dot_strip<const T: u8, const LIVE: usize>((qs, e, k, ldk, nk, s, lds): DotArgs) {
-    if LIVE == 0 {
-        for r in 0..MR {
-            std::ptr::write_bytes(s.add(r * lds), 0, nk);
-        }
-        return;
-    }
-    let full = e / 16 * 16;
-    let tm = tail_mask(e - full);
-    let mut j = 0;
-    while j < nk {
-        // Four keys per pass (repeating the last key at the tail).
-        let js = [j, (j + 1).min(nk - 1), (j + 2).min(nk - 1), (j + 3).min(nk - 1)];
-        let kps = js.map(|jj| jj * ldk);
-        let mut acc = [[_mm512_setzero_ps(); 4]; LIVE];
-        let mut x = 0;
-        if T == BF16 {
-            // 32 keys' elements per step, split even / odd; Q is in the same split
-            // layout (`split_pairs`).
-            while x + 32 <= e {
-                for kp in kps {
-                    prefetch::<T>(k, kp + PF_KEYS * ldk + x);
-                }
-                let kv = kps.map(|kp| load32_bf16_split((k as *const u16).add(kp + x)));
-                for (r, row) in acc.iter_mut().enumerate() {
-                    let a0 = _mm512_loadu_ps(qs.add(r * e + x));
-                    let a1 = _mm512_loadu_ps(qs.add(r * e + x + 16));
-                    for c in 0..4 {
-                        row[c] = _mm512_fmadd_ps(a1, kv[c].1, _mm512_fmadd_ps(a0, kv[c].0, row[c]));
-                    }
-                }
-                x += 32;
-            }
-        }
-        while x < full {
-            for kp in kps {
-                prefetch::<T>(k, kp + PF_KEYS * ldk + x);
-            }
-            let kv = kps.map(|kp| load16::<T>(k, kp + x));
-            for (r, row) in acc.iter_mut().enumerate() {
-                let a = _mm512_loadu_ps(qs.add(r * e + x));
-                for c in 0..4 {
-                    row[c] = _mm512_fmadd_ps(a, kv[c], row[c]);
-                }
-            }
-            x += 16;
-        }
-        // (Only f32 keys have a tail: half-precision keys need `e % 16 == 0`.)
-        if full < e && T == F32 {
-            let kf = k as *const f32;
-            let kv = kps.map(|kp| _mm512_maskz_loadu_ps(tm, kf.add(kp + full)));
-            for (r, row) in acc.iter_mut().enumerate() {
-                let a = _mm512_maskz_loadu_ps(tm, qs.add(r * e + full));
-                for c in 0..4 {
-                    row[c] = _mm512_fmadd_ps(a, kv[c], row[c]);
-                }
-            }
-        }
-        let cnt = (nk - j).min(4) as u32;
-        // Rows in groups of four: 16 registers → one register of 16 sums, whose 128-bit
-        // lane `i` holds the four scores of row `4g + i`; each lane is stored in place by
-        // a masked store from a base shifted back by `4i` lanes.
-        for g in 0..LIVE.div_ceil(4) {
-            let regs: [__m512; 16] = std::array::from_fn(|i| {
-                let r = 4 * g + i / 4;
-                if r < LIVE {
-                    acc[r][i % 4]
-                } else {
-                    _mm512_setzero_ps()
-                }
-            });
-            let sums = reduce16(regs);
-            for i in 0..(LIVE - 4 * g).min(4) {
-                let dst = s.add((4 * g + i) * lds + j).wrapping_sub(4 * i);
-                _mm512_mask_storeu_ps(dst, (((1u32 << cnt) - 1) << (4 * i)) as __mmask16, sums);
-            }
-        }
-        for r in LIVE..MR {
-            for c in 0..cnt as usize {
-                *s.add(r * lds + j + c) = 0.0;
-            }
-        }
-        j += 4;
-    }
-}
-
 /// Horizontal sums of 16 registers at once: lane `i` of the result is `Σ regs[i]`, by a
 /// transpose-and-add tree (15 shuffle pairs instead of 16 full reductions).
 #[inline]
@@ -1384,47 +1180,320 @@ unsafe fn reduce16(regs: [__m512; 16]) -> __m512 {
     )
 }
 
-/// `qk_dot` for a single query row: 16 keys per pass, whose 16 partial-sum registers are
-/// reduced together by a transpose-and-add tree (45 shuffles/adds instead of 16 full
-/// horizontal reductions).
+/// Decode scores `S = Q·Kᵀ` (`q`: `rows × e` row-major; K row `j` at element `j·ldk`;
+/// `s`: row stride `lds`) that walk each K row to its end before the next, keys in
+/// order. The hardware prefetchers follow such reads from DRAM; they did not follow the
+/// earlier kernel's, which read 16 (one live row) or 4 keys' rows interleaved, 64 bytes
+/// of each in turn (on the Zen 4 VM a plain read of 64-key K/V blocks in row order ran
+/// at 25–32 GB/s on both threads, with rows interleaved 4 or 16 at a time at 12–20).
+/// Live rows go in strips of up to [`MR`]; each strip reads the K block once (the first
+/// from memory, the others from cache). Padding rows (`live..rows`) get zero scores.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn qk_dot_row<const T: u8>(q: *const f32, e: usize, k: *const u8, ldk: usize, nk: usize, s: *mut f32) {
-    let full = e / 16 * 16;
-    let tm = tail_mask(e - full);
+unsafe fn qk_dot_impl<const T: u8>(
+    q: *const f32,
+    rows: usize,
+    live: usize,
+    e: usize,
+    k: *const u8,
+    ldk: usize,
+    nk: usize,
+    s: *mut f32,
+    lds: usize,
+) {
+    let mut r0 = 0;
+    while r0 < live {
+        let (qs, sp) = (q.add(r0 * e), s.add(r0 * lds));
+        let rem = live - r0;
+        // Common head sizes keep the strip's Q rows in registers (at most 16 vectors).
+        let r = match e {
+            64 => rem.min(4),
+            128 => rem.min(2),
+            256 => 1,
+            _ => rem.min(MR),
+        };
+        let args = (qs, k, ldk, nk, sp, lds);
+        match (e, r) {
+            (64, 1) => qk_rows_strip_reg::<T, 1, 4>(args),
+            (64, 2) => qk_rows_strip_reg::<T, 2, 4>(args),
+            (64, 3) => qk_rows_strip_reg::<T, 3, 4>(args),
+            (64, _) => qk_rows_strip_reg::<T, 4, 4>(args),
+            (128, 1) => qk_rows_strip_reg::<T, 1, 8>(args),
+            (128, _) => qk_rows_strip_reg::<T, 2, 8>(args),
+            (256, _) => qk_rows_strip_reg::<T, 1, 16>(args),
+            (_, 1) => qk_rows_strip::<T, 1>(qs, e, k, ldk, nk, sp, lds),
+            (_, 2) => qk_rows_strip::<T, 2>(qs, e, k, ldk, nk, sp, lds),
+            (_, 3) => qk_rows_strip::<T, 3>(qs, e, k, ldk, nk, sp, lds),
+            (_, 4) => qk_rows_strip::<T, 4>(qs, e, k, ldk, nk, sp, lds),
+            (_, 5) => qk_rows_strip::<T, 5>(qs, e, k, ldk, nk, sp, lds),
+            _ => qk_rows_strip::<T, MR>(qs, e, k, ldk, nk, sp, lds),
+        }
+        r0 += r;
+    }
+    // Padding rows get zero scores.
+    for r in live..rows {
+        std::ptr::write_bytes(s.add(r * lds), 0, nk);
+    }
+}
+
+/// `(Q strip rows, K base, K row stride, key count, score rows, score row stride)`.
+type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize);
+
+/// [`qk_dot_impl`] for `R` rows of `e = 16·EQ` elements held in registers: per key,
+/// `EQ` K loads (bf16: `EQ / 2` split loads) and `R·EQ` FMAs, where the row strip of
+/// [`qk_rows_strip`] also loads Q for every FMA.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const EQ: usize>((qs, k, ldk, nk, s, lds): DotArgs) {
+    let mut qv = [[_mm512_setzero_ps(); EQ]; R];
+    for (r, row) in qv.iter_mut().enumerate() {
+        for (i, x) in row.iter_mut().enumerate() {
+            *x = _mm512_loadu_ps(qs.add(r * EQ * 16 + i * 16));
+        }
+    }
+    // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
+    // sums from the previous 16 keys, which the masked store drops).
+    let mut part = [[_mm512_setzero_ps(); 16]; R];
     let mut j = 0;
     while j < nk {
         let cnt = (nk - j).min(16);
-        let kps: [usize; 16] = std::array::from_fn(|c| (j + c.min(cnt - 1)) * ldk);
-        let mut acc = [_mm512_setzero_ps(); 16];
-        let mut x = 0;
-        if T == BF16 {
-            // As in `qk_dot_strip`: 32 elements per step, split even / odd.
-            while x + 32 <= e {
-                let (a0, a1) = (_mm512_loadu_ps(q.add(x)), _mm512_loadu_ps(q.add(x + 16)));
-                for c in 0..16 {
-                    prefetch::<T>(k, kps[c] + PF_KEYS * ldk + x);
-                    let (k0, k1) = load32_bf16_split((k as *const u16).add(kps[c] + x));
-                    acc[c] = _mm512_fmadd_ps(a1, k1, _mm512_fmadd_ps(a0, k0, acc[c]));
+        for c in 0..cnt {
+            let kr = (j + c) * ldk;
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut i = 0;
+            while i < EQ {
+                if T == BF16 && i + 1 < EQ {
+                    let (k0, k1) = load32_bf16_split((k as *const u16).add(kr + i * 16));
+                    for (a, q) in acc.iter_mut().zip(&qv) {
+                        *a = _mm512_fmadd_ps(q[i + 1], k1, _mm512_fmadd_ps(q[i], k0, *a));
+                    }
+                    i += 2;
+                } else {
+                    let kv = load16::<T>(k, kr + i * 16);
+                    for (a, q) in acc.iter_mut().zip(&qv) {
+                        *a = _mm512_fmadd_ps(q[i], kv, *a);
+                    }
+                    i += 1;
                 }
-                x += 32;
+            }
+            for (p, a) in part.iter_mut().zip(acc) {
+                p[c] = a;
             }
         }
-        while x < full {
-            let a = _mm512_loadu_ps(q.add(x));
-            for c in 0..16 {
-                prefetch::<T>(k, kps[c] + PF_KEYS * ldk + x);
-                acc[c] = _mm512_fmadd_ps(a, load16::<T>(k, kps[c] + x), acc[c]);
-            }
-            x += 16;
+        for (r, p) in part.iter().enumerate() {
+            _mm512_mask_storeu_ps(s.add(r * lds + j), tail_mask_full(cnt), reduce16(*p));
         }
-        if full < e && T == F32 {
-            let (a, kf) = (_mm512_maskz_loadu_ps(tm, q.add(full)), k as *const f32);
-            for c in 0..16 {
-                acc[c] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(tm, kf.add(kps[c] + full)), acc[c]);
-            }
-        }
-        _mm512_mask_storeu_ps(s.add(j), tail_mask_full(cnt), reduce16(acc));
         j += 16;
+    }
+}
+
+/// [`qk_dot_impl`] for `R` rows: per key, one pass over its row (e/16 loads, shared by
+/// the `R` rows); the partial sums of 16 keys are reduced together ([`reduce16`]).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_rows_strip<const T: u8, const R: usize>(
+    qs: *const f32,
+    e: usize,
+    k: *const u8,
+    ldk: usize,
+    nk: usize,
+    s: *mut f32,
+    lds: usize,
+) {
+    let full = e / 16 * 16;
+    let tm = tail_mask(e - full);
+    // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
+    // sums from the previous 16 keys, which the masked store drops).
+    let mut part = [[_mm512_setzero_ps(); 16]; R];
+    let mut j = 0;
+    while j < nk {
+        let cnt = (nk - j).min(16);
+        for c in 0..cnt {
+            let kr = (j + c) * ldk;
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut x = 0;
+            if T == BF16 {
+                while x + 32 <= e {
+                    let (k0, k1) = load32_bf16_split((k as *const u16).add(kr + x));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let qr = qs.add(r * e + x);
+                        *a = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(qr.add(16)),
+                            k1,
+                            _mm512_fmadd_ps(_mm512_loadu_ps(qr), k0, *a),
+                        );
+                    }
+                    x += 32;
+                }
+            }
+            while x < full {
+                let kv = load16::<T>(k, kr + x);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(qs.add(r * e + x)), kv, *a);
+                }
+                x += 16;
+            }
+            if full < e && T == F32 {
+                let kv = _mm512_maskz_loadu_ps(tm, (k as *const f32).add(kr + full));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tm, qs.add(r * e + full)), kv, *a);
+                }
+            }
+            for (p, a) in part.iter_mut().zip(acc) {
+                p[c] = a;
+            }
+        }
+        for (r, p) in part.iter().enumerate() {
+            _mm512_mask_storeu_ps(s.add(r * lds + j), tail_mask_full(cnt), reduce16(*p));
+        }
+        j += 16;
+    }
+}
+
+/// Decode `O = α·O + P·V` for the first `live` rows that walks each V row to its end
+/// before the next, keys in order (see [`qk_dot_impl`] for why): P `live × nk` with row
+/// stride [`BK`]; V row `j` at element `j·ldv` of `v` (f32, or half precision read in
+/// place and widened in registers); `nvp` 16-column output panels; `o` with row stride
+/// `ldo`. Tiles of `R` rows × `N` panels (`R·N ≤ 24` accumulators) each run over all
+/// keys; where one tile spans every panel (`nvp` of 1, 2, 4, 8 or 16), the first tile
+/// reads the block's V rows in memory order and the later tiles find them in cache.
+/// For bf16 rows, the output columns of each whole panel pair (`2m`, `2m + 1 < nvp`)
+/// come out in the split layout of [`split_pairs`]: the caller applies
+/// [`merge_pairs`] once all keys are in.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pv_rows(
+    p: &[f32],
+    live: usize,
+    nk: usize,
+    v: Data,
+    ldv: usize,
+    nvp: usize,
+    o: &mut [f32],
+    ldo: usize,
+    alpha: &[f32],
+) {
+    let (ptr, len) = data_ptr(v);
+    assert!(BK >= nk && ldo >= nvp * NR && alpha.len() >= live);
+    assert!(live == 0 || p.len() >= (live - 1) * BK + nk);
+    assert!(nvp == 0 || nk == 0 || len >= (nk - 1) * ldv + nvp * NR);
+    assert!(live == 0 || o.len() >= (live - 1) * ldo + nvp * NR);
+    let (pp, op, al) = (p.as_ptr(), o.as_mut_ptr(), alpha.as_ptr());
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        match v {
+            Data::F32(_) => pv_rows_impl::<F32>(pp, live, nk, ptr, ldv, nvp, op, ldo, al),
+            Data::BF16(_) => pv_rows_impl::<BF16>(pp, live, nk, ptr, ldv, nvp, op, ldo, al),
+            Data::F16(_) => pv_rows_impl::<F16>(pp, live, nk, ptr, ldv, nvp, op, ldo, al),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_rows_impl<const T: u8>(
+    p: *const f32,
+    live: usize,
+    nk: usize,
+    v: *const u8,
+    ldv: usize,
+    nvp: usize,
+    o: *mut f32,
+    ldo: usize,
+    alpha: *const f32,
+) {
+    // Panel chunks of 16, 8, 4, 2, 1 (even starts, so bf16 pairs stay whole).
+    let mut n0 = 0;
+    while n0 < nvp {
+        let n = [16, 8, 4, 2, 1].into_iter().find(|&c| c <= nvp - n0).unwrap_or(1);
+        let mut r0 = 0;
+        while r0 < live {
+            let rem = live - r0;
+            let r = match n {
+                16 => 1,
+                8 => rem.min(2),
+                4 => rem.min(6),
+                _ => [6, 3, 2, 1].into_iter().find(|&x| x <= rem).unwrap_or(1),
+            };
+            let args = (
+                p.add(r0 * BK),
+                nk,
+                v.add(n0 * NR * if T == F32 { 4 } else { 2 }),
+                ldv,
+                o.add(r0 * ldo + n0 * NR),
+                ldo,
+                alpha.add(r0),
+            );
+            match (n, r) {
+                (16, _) => pv_rows_tile::<T, 1, 16>(args),
+                (8, 1) => pv_rows_tile::<T, 1, 8>(args),
+                (8, 2) => pv_rows_tile::<T, 2, 8>(args),
+                (8, _) => pv_rows_tile::<T, 2, 8>(args),
+                (4, 1) => pv_rows_tile::<T, 1, 4>(args),
+                (4, 2) => pv_rows_tile::<T, 2, 4>(args),
+                (4, 3) => pv_rows_tile::<T, 3, 4>(args),
+                (4, 4) => pv_rows_tile::<T, 4, 4>(args),
+                (4, 5) => pv_rows_tile::<T, 5, 4>(args),
+                (4, _) => pv_rows_tile::<T, 6, 4>(args),
+                (2, 1) => pv_rows_tile::<T, 1, 2>(args),
+                (2, 2) => pv_rows_tile::<T, 2, 2>(args),
+                (2, 3) => pv_rows_tile::<T, 3, 2>(args),
+                (2, _) => pv_rows_tile::<T, 6, 2>(args),
+                (_, 1) => pv_rows_tile::<T, 1, 1>(args),
+                (_, 2) => pv_rows_tile::<T, 2, 1>(args),
+                (_, 3) => pv_rows_tile::<T, 3, 1>(args),
+                (_, _) => pv_rows_tile::<T, 6, 1>(args),
+            }
+            r0 += r;
+        }
+        n0 += n;
+    }
+}
+
+/// `(P rows, key count, V base, V row stride, O rows, O row stride, α)` of one tile.
+type RowsTile = (*const f32, usize, *const u8, usize, *mut f32, usize, *const f32);
+
+/// One `R`-row × `N`-panel tile of [`pv_rows_impl`]: keys in order, each V row's `N`
+/// panels loaded once for the `R` rows.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_rows_tile<const T: u8, const R: usize, const N: usize>(
+    (p, nk, v, ldv, o, ldo, alpha): RowsTile,
+) {
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
+    for (r, row) in acc.iter_mut().enumerate() {
+        let a = _mm512_set1_ps(*alpha.add(r));
+        for (ni, x) in row.iter_mut().enumerate() {
+            *x = _mm512_mul_ps(a, _mm512_loadu_ps(o.add(r * ldo + ni * NR)));
+        }
+    }
+    for j in 0..nk {
+        let mut vv = [_mm512_setzero_ps(); N];
+        let mut ni = 0;
+        while ni < N {
+            if T == BF16 && ni + 1 < N {
+                let (ve, vo) = load32_bf16_split((v as *const u16).add(j * ldv + ni * NR));
+                vv[ni] = ve;
+                vv[ni + 1] = vo;
+                ni += 2;
+            } else {
+                vv[ni] = load16::<T>(v, j * ldv + ni * NR);
+                ni += 1;
+            }
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
+            let a = _mm512_set1_ps(*p.add(r * BK + j));
+            for ni in 0..N {
+                row[ni] = _mm512_fmadd_ps(a, vv[ni], row[ni]);
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (ni, &x) in row.iter().enumerate() {
+            _mm512_storeu_ps(o.add(r * ldo + ni * NR), x);
+        }
     }
 }
 

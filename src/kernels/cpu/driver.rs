@@ -1174,7 +1174,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
     }
     // Half-precision decode on AVX-512 reads K/V rows in place (`raw`); bf16 rows are
     // widened 32 at a time, split into even and odd elements (`avx512::qk_dot_raw`,
-    // `avx512::pv_raw`), so Q takes that layout here and the output leaves it at the end.
+    // `avx512::pv_rows`), so Q takes that layout here and the output leaves it at the end.
     #[cfg(target_arch = "x86_64")]
     let raw = matches!(src, KvSrc::Rows)
         && isa == Isa::Avx512
@@ -1420,7 +1420,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             #[cfg(target_arch = "x86_64")]
             if raw {
                 // SAFETY: `raw` is only set on the `Isa::Avx512` path.
-                unsafe { avx512::pv_raw(sb, rows, n, nk, vd, vps, ldv, nvp, o, evp, alpha) };
+                unsafe { avx512::pv_rows(sb, n, nk, vd, ldv, nvp, o, evp, alpha) };
             } else {
                 // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path.
                 unsafe { avx2::pv_rows(sb, n, nk, vd, ldv, evp, o, evp, alpha) };
@@ -1433,6 +1433,13 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
             unsafe {
                 avx2::pv_rows(sb, n, nk, super::pack::Data::F32(vsl), ldv, evp, o, evp, alpha)
+            };
+        } else if cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && matches!(src, KvSrc::Rows) {
+            // Decode on AVX-512 walks each streamed V row to its end (`avx512::pv_rows`).
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
+            unsafe {
+                avx512::pv_rows(sb, n, nk, super::pack::Data::F32(vsl), ldv, nvp, o, evp, alpha)
             };
         } else {
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
