@@ -1429,7 +1429,6 @@ unsafe fn pv_rows_impl<const T: u8>(
             match (n, r) {
                 (16, _) => pv_rows_tile::<T, 1, 16>(args),
                 (8, 1) => pv_rows_tile::<T, 1, 8>(args),
-                (8, 2) => pv_rows_tile::<T, 2, 8>(args),
                 (8, _) => pv_rows_tile::<T, 2, 8>(args),
                 (4, 1) => pv_rows_tile::<T, 1, 4>(args),
                 (4, 2) => pv_rows_tile::<T, 2, 4>(args),
