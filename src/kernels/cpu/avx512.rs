@@ -948,27 +948,27 @@ unsafe fn pv_impl<const G: usize>(
                 // latency, and each P element is broadcast once per 64 outputs.
                 match live {
                     0 => {}
-                    1 => pv_tile::<1, 4, G>(src, v0, op, ldo, alpha),
-                    2 => pv_tile::<2, 4, G>(src, v0, op, ldo, alpha),
-                    3 => pv_tile::<3, 4, G>(src, v0, op, ldo, alpha),
-                    4 => pv_tile::<4, 4, G>(src, v0, op, ldo, alpha),
-                    _ => pv_tile::<5, 4, G>(src, v0, op, ldo, alpha),
+                    1 => pv_tile::<1, 4, F32, G>(src, v0, op, ldo, alpha),
+                    2 => pv_tile::<2, 4, F32, G>(src, v0, op, ldo, alpha),
+                    3 => pv_tile::<3, 4, F32, G>(src, v0, op, ldo, alpha),
+                    4 => pv_tile::<4, 4, F32, G>(src, v0, op, ldo, alpha),
+                    _ => pv_tile::<5, 4, F32, G>(src, v0, op, ldo, alpha),
                 }
                 n += 4;
                 continue;
             }
             match (live, two) {
                 (0, _) => {}
-                (1, true) => pv_tile::<1, 2, G>(src, v0, op, ldo, alpha),
-                (1, false) => pv_tile::<1, 1, G>(src, v0, op, ldo, alpha),
-                (2, true) => pv_tile::<2, 2, G>(src, v0, op, ldo, alpha),
-                (2, false) => pv_tile::<2, 1, G>(src, v0, op, ldo, alpha),
-                (3, true) => pv_tile::<3, 2, G>(src, v0, op, ldo, alpha),
-                (3, false) => pv_tile::<3, 1, G>(src, v0, op, ldo, alpha),
-                (4, true) => pv_tile::<4, 2, G>(src, v0, op, ldo, alpha),
-                (4, false) => pv_tile::<4, 1, G>(src, v0, op, ldo, alpha),
-                (_, true) => pv_tile::<5, 2, G>(src, v0, op, ldo, alpha),
-                (_, false) => pv_tile::<5, 1, G>(src, v0, op, ldo, alpha),
+                (1, true) => pv_tile::<1, 2, F32, G>(src, v0, op, ldo, alpha),
+                (1, false) => pv_tile::<1, 1, F32, G>(src, v0, op, ldo, alpha),
+                (2, true) => pv_tile::<2, 2, F32, G>(src, v0, op, ldo, alpha),
+                (2, false) => pv_tile::<2, 1, F32, G>(src, v0, op, ldo, alpha),
+                (3, true) => pv_tile::<3, 2, F32, G>(src, v0, op, ldo, alpha),
+                (3, false) => pv_tile::<3, 1, F32, G>(src, v0, op, ldo, alpha),
+                (4, true) => pv_tile::<4, 2, F32, G>(src, v0, op, ldo, alpha),
+                (4, false) => pv_tile::<4, 1, F32, G>(src, v0, op, ldo, alpha),
+                (_, true) => pv_tile::<5, 2, F32, G>(src, v0, op, ldo, alpha),
+                (_, false) => pv_tile::<5, 1, F32, G>(src, v0, op, ldo, alpha),
             }
             n += if two { 2 } else { 1 };
         }
@@ -983,7 +983,7 @@ unsafe fn pv_impl<const G: usize>(
                 let r0 = st * MR;
                 let (sr, v0) = (src.rows_from(r0), n * src.vps);
                 let (op, al) = (o.add(r0 * ldo + n * NR), alpha.add(r0));
-                pv_tile::<6, 4, G>(sr, v0, op, ldo, al);
+                pv_tile::<6, 4, F32, G>(sr, v0, op, ldo, al);
             }
             n += 4;
             continue;
@@ -996,10 +996,10 @@ unsafe fn pv_impl<const G: usize>(
             let (sr, v0) = (src.rows_from(r0), n * src.vps);
             let (op, al) = (o.add(r0 * ldo + n * NR), alpha.add(r0));
             match (both, two) {
-                (true, true) => pv_tile::<12, 2, G>(sr, v0, op, ldo, al),
-                (true, false) => pv_tile::<12, 1, G>(sr, v0, op, ldo, al),
-                (false, true) => pv_tile::<6, 2, G>(sr, v0, op, ldo, al),
-                (false, false) => pv_tile::<6, 1, G>(sr, v0, op, ldo, al),
+                (true, true) => pv_tile::<12, 2, F32, G>(sr, v0, op, ldo, al),
+                (true, false) => pv_tile::<12, 1, F32, G>(sr, v0, op, ldo, al),
+                (false, true) => pv_tile::<6, 2, F32, G>(sr, v0, op, ldo, al),
+                (false, false) => pv_tile::<6, 1, F32, G>(sr, v0, op, ldo, al),
             }
             st += if both { 2 } else { 1 };
         }
@@ -1010,7 +1010,7 @@ unsafe fn pv_impl<const G: usize>(
 /// One `R × (N·NR)` tile of `O = α·O + P·V`, V panels from element offset `v0` of each run.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn pv_tile<const R: usize, const N: usize, const G: usize>(
+unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const G: usize>(
     src: PvSrc,
     v0: usize,
     op: *mut f32,
@@ -1026,7 +1026,7 @@ unsafe fn pv_tile<const R: usize, const N: usize, const G: usize>(
         }
     }
     let mut ps = src.p;
-    if R == MR && N == 4 && ldv == NR {
+    if R == MR && N == 4 && T == F32 && ldv == NR {
         // SAFETY: with `R == 6` and `N == 4`, `acc` is a `[[__m512; 4]; 6]`; the P rows
         // and V panels are those the loop below would read.
         let a6 = unsafe { &mut *(acc.as_mut_ptr() as *mut [[__m512; 4]; 6]) };
@@ -1036,7 +1036,7 @@ unsafe fn pv_tile<const R: usize, const N: usize, const G: usize>(
             ps = ps.add(nk);
         }
     } else {
-        pv_contract::<R, N, G>(&mut acc, src, v0);
+        pv_contract::<R, N, T, G>(&mut acc, src, v0);
     }
     for (r, row) in acc.iter().enumerate() {
         for (ni, &v) in row.iter().enumerate() {
@@ -1049,7 +1049,7 @@ unsafe fn pv_tile<const R: usize, const N: usize, const G: usize>(
 /// loop.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn pv_contract<const R: usize, const N: usize, const G: usize>(
+unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usize>(
     acc: &mut [[__m512; N]; R],
     src: PvSrc,
     v0: usize,
@@ -1057,9 +1057,22 @@ unsafe fn pv_contract<const R: usize, const N: usize, const G: usize>(
     let (vps, ldv, ldp) = (src.vps, src.ldv, src.ldp);
     let mut ps = src.p;
     for &(vb, nk) in &src.segs[..G] {
-        let vb = vb as *const f32;
         for j in 0..nk {
-            let vv: [__m512; N] = std::array::from_fn(|ni| _mm512_loadu_ps(vb.add(v0 + ni * vps + j * ldv)));
+            let mut vv = [_mm512_setzero_ps(); N];
+            let mut ni = 0;
+            while ni < N {
+                let at = v0 + ni * vps + j * ldv;
+                if T == BF16 && ni + 1 < N {
+                    // A panel pair of bf16 rows read in place (adjacent panels, `vps ==
+                    // NR`) in one load, split even / odd: the output columns of the pair
+                    // come out in the split layout (see `pv_rows`).
+                    (vv[ni], vv[ni + 1]) = load32_bf16_split((vb as *const u16).add(at));
+                    ni += 2;
+                } else {
+                    vv[ni] = load16::<T>(vb, at);
+                    ni += 1;
+                }
+            }
             for (r, row) in acc.iter_mut().enumerate() {
                 let a = _mm512_set1_ps(*ps.add(r * ldp + j));
                 for ni in 0..N {
@@ -1417,82 +1430,36 @@ unsafe fn pv_rows_impl<const T: u8>(
                 4 => rem.min(6),
                 _ => [6, 3, 2, 1].into_iter().find(|&x| x <= rem).unwrap_or(1),
             };
-            let args = (
-                p.add(r0 * BK),
-                nk,
-                v.add(n0 * NR * if T == F32 { 4 } else { 2 }),
+            let src = PvSrc {
+                p: p.add(r0 * BK),
+                ldp: BK,
+                segs: [(v, nk), (std::ptr::null(), 0)],
+                vps: NR,
                 ldv,
-                o.add(r0 * ldo + n0 * NR),
-                ldo,
-                alpha.add(r0),
-            );
+            };
+            let (v0, op, al) = (n0 * NR, o.add(r0 * ldo + n0 * NR), alpha.add(r0));
             match (n, r) {
-                (16, _) => pv_rows_tile::<T, 1, 16>(args),
-                (8, 1) => pv_rows_tile::<T, 1, 8>(args),
-                (8, _) => pv_rows_tile::<T, 2, 8>(args),
-                (4, 1) => pv_rows_tile::<T, 1, 4>(args),
-                (4, 2) => pv_rows_tile::<T, 2, 4>(args),
-                (4, 3) => pv_rows_tile::<T, 3, 4>(args),
-                (4, 4) => pv_rows_tile::<T, 4, 4>(args),
-                (4, 5) => pv_rows_tile::<T, 5, 4>(args),
-                (4, _) => pv_rows_tile::<T, 6, 4>(args),
-                (2, 1) => pv_rows_tile::<T, 1, 2>(args),
-                (2, 2) => pv_rows_tile::<T, 2, 2>(args),
-                (2, 3) => pv_rows_tile::<T, 3, 2>(args),
-                (2, _) => pv_rows_tile::<T, 6, 2>(args),
-                (_, 1) => pv_rows_tile::<T, 1, 1>(args),
-                (_, 2) => pv_rows_tile::<T, 2, 1>(args),
-                (_, 3) => pv_rows_tile::<T, 3, 1>(args),
-                (_, _) => pv_rows_tile::<T, 6, 1>(args),
+                (16, _) => pv_tile::<1, 16, T, 1>(src, v0, op, ldo, al),
+                (8, 1) => pv_tile::<1, 8, T, 1>(src, v0, op, ldo, al),
+                (8, _) => pv_tile::<2, 8, T, 1>(src, v0, op, ldo, al),
+                (4, 1) => pv_tile::<1, 4, T, 1>(src, v0, op, ldo, al),
+                (4, 2) => pv_tile::<2, 4, T, 1>(src, v0, op, ldo, al),
+                (4, 3) => pv_tile::<3, 4, T, 1>(src, v0, op, ldo, al),
+                (4, 4) => pv_tile::<4, 4, T, 1>(src, v0, op, ldo, al),
+                (4, 5) => pv_tile::<5, 4, T, 1>(src, v0, op, ldo, al),
+                (4, _) => pv_tile::<6, 4, T, 1>(src, v0, op, ldo, al),
+                (2, 1) => pv_tile::<1, 2, T, 1>(src, v0, op, ldo, al),
+                (2, 2) => pv_tile::<2, 2, T, 1>(src, v0, op, ldo, al),
+                (2, 3) => pv_tile::<3, 2, T, 1>(src, v0, op, ldo, al),
+                (2, _) => pv_tile::<6, 2, T, 1>(src, v0, op, ldo, al),
+                (_, 1) => pv_tile::<1, 1, T, 1>(src, v0, op, ldo, al),
+                (_, 2) => pv_tile::<2, 1, T, 1>(src, v0, op, ldo, al),
+                (_, 3) => pv_tile::<3, 1, T, 1>(src, v0, op, ldo, al),
+                (_, _) => pv_tile::<6, 1, T, 1>(src, v0, op, ldo, al),
             }
             r0 += r;
         }
         n0 += n;
-    }
-}
-
-/// `(P rows, key count, V base, V row stride, O rows, O row stride, α)` of one tile.
-type RowsTile = (*const f32, usize, *const u8, usize, *mut f32, usize, *const f32);
-
-/// One `R`-row × `N`-panel tile of [`pv_rows_impl`]: keys in order, each V row's `N`
-/// panels loaded once for the `R` rows.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn pv_rows_tile<const T: u8, const R: usize, const N: usize>(
-    (p, nk, v, ldv, o, ldo, alpha): RowsTile,
-) {
-    let mut acc = [[_mm512_setzero_ps(); N]; R];
-    for (r, row) in acc.iter_mut().enumerate() {
-        let a = _mm512_set1_ps(*alpha.add(r));
-        for (ni, x) in row.iter_mut().enumerate() {
-            *x = _mm512_mul_ps(a, _mm512_loadu_ps(o.add(r * ldo + ni * NR)));
-        }
-    }
-    for j in 0..nk {
-        let mut vv = [_mm512_setzero_ps(); N];
-        let mut ni = 0;
-        while ni < N {
-            if T == BF16 && ni + 1 < N {
-                let (ve, vo) = load32_bf16_split((v as *const u16).add(j * ldv + ni * NR));
-                vv[ni] = ve;
-                vv[ni + 1] = vo;
-                ni += 2;
-            } else {
-                vv[ni] = load16::<T>(v, j * ldv + ni * NR);
-                ni += 1;
-            }
-        }
-        for (r, row) in acc.iter_mut().enumerate() {
-            let a = _mm512_set1_ps(*p.add(r * BK + j));
-            for ni in 0..N {
-                row[ni] = _mm512_fmadd_ps(a, vv[ni], row[ni]);
-            }
-        }
-    }
-    for (r, row) in acc.iter().enumerate() {
-        for (ni, &x) in row.iter().enumerate() {
-            _mm512_storeu_ps(o.add(r * ldo + ni * NR), x);
-        }
     }
 }
 
