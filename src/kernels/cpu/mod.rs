@@ -575,6 +575,53 @@ mod tests {
         Ok(())
     }
 
+    /// The prefill path's packing runs pipelined with the blocks on however many threads
+    /// there are (blocks waiting for their group's packs): one thread, two, or more than
+    /// the machine has, over one pack chunk or several, must give identical results.
+    #[test]
+    fn thread_count_is_transparent() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1.0, (2, 8, 300, 32), &dev)?;
+        let k = Tensor::randn(0f32, 1.0, (2, 4, 333, 32), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (2, 4, 333, 40), &dev)?;
+        let one_group = 333usize.div_ceil(pack::BK)
+            * (pack::k_block_len(pack::BK, 32) + pack::v_block_len(pack::BK, 40))
+            * 4;
+        for c in [
+            None,
+            Some(Causal {
+                offset: 33,
+                window: None,
+            }),
+        ] {
+            for pack_budget in [driver::PACK_BUDGET_BYTES, 3 * one_group, 1] {
+                let plan = CallPlan {
+                    heads_inner: false,
+                    pack_budget,
+                };
+                let run = |threads: usize| -> Result<Tensor> {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .map_err(candle::Error::wrap)?;
+                    pool.install(|| sdpa_impl(&q, &k, &v, None, c, 0.2, Isa::detect(), plan))
+                };
+                let a = run(1)?;
+                for threads in [2, 3, 8] {
+                    let b = run(threads)?;
+                    let d = (&a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                    assert_eq!(
+                        d,
+                        0.0,
+                        "{threads} threads, budget {pack_budget}, causal {}",
+                        c.is_some()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The `(B, L, Hq, Ev)` output layout holds the same values as the default one, on
     /// the prefill, decode and split-K paths, with GQA, a mask, fully masked rows
     /// (written as zeros), every dtype and every instruction set.
