@@ -693,6 +693,12 @@ fn prefill<T: OutElem, E: Cached + Send + Sync, S>(
         let packs = |gl: usize| (0..kbn).map(move |kb| Unit::Pack(gl, kb));
         let mut units: Vec<Unit> = packs(0).collect();
         for (gl, group_items) in items.chunks(nbg).enumerate() {
+            // Each group has `nbg` blocks, so the sorted items come `nbg` per group.
+            assert!(
+                group_items.iter().all(|it| blocks[it.blk].g == g0 + gl),
+                "row blocks of group {} out of order",
+                g0 + gl
+            );
             if gl + 1 < gn {
                 units.extend(packs(gl + 1));
             }

@@ -5,13 +5,17 @@
 //! * Work items are (batch, kv head, row block), where the rows of a block are the
 //!   flattened `(query head in the GQA group, query position)` pairs, so one block can
 //!   cover several query heads of a group (decode) and every block is a contiguous
-//!   range of the `(B, Hq, L, Ev)` output. Items are sorted by visible-key count and
-//!   handed out largest-first from an atomic counter on the rayon pool.
+//!   range of the `(B, Hq, L, Ev)` output. Items are handed out from an atomic counter
+//!   on the rayon pool, sorted by visible-key count, largest first (in prefill, group
+//!   by group and largest first within each group).
 //! * Prefill (several row blocks per group): K/V are converted to f32 and packed once per
 //!   (batch, kv head) into micro-kernel panels (`pack`), shared by every query head of
 //!   the group; groups are packed in chunks of at most 32 MiB, so extra memory stays
 //!   O(threads × block + 32 MiB) whatever L and S are. The calling thread keeps that
-//!   buffer for its next call (a fresh one costs a page fault per 4 KiB).
+//!   buffer for its next call (a fresh one costs a page fault per 4 KiB). Packing is
+//!   pipelined with the blocks: the packs of group g + 1 are work units handed out just
+//!   before the blocks of group g, and a block waits until its own group's packs are
+//!   written (`driver::Pipeline`), so no barrier separates packing from computing.
 //! * One row block per group: K/V are packed block by block inside the item; with few
 //!   query rows per group (decode, `G·L` ≤ 24) K/V rows are read straight from the
 //!   source (f32, and f16/bf16 with unit inner stride on AVX2 and AVX-512) or converted
