@@ -808,7 +808,7 @@ impl<'a, E> Pipeline<'a, E> {
         let mut spins = 0u32;
         while self.done[g].load(Ordering::Acquire) < blocks {
             assert!(!self.failed.load(Ordering::Acquire), "a K/V packer panicked");
-            spins += 1;
+            spins = spins.saturating_add(1);
             if spins < 1 << 10 {
                 std::hint::spin_loop();
             } else {
