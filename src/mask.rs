@@ -45,29 +45,34 @@ impl CausalAlign {
 }
 
 /// A causal rule resolved for concrete `(L, S)`: key `j` is visible from query
-/// `i` iff `j <= i + offset` and, with a window `W`, `j > i + offset - W`.
+/// `i` iff `j <= i + offset` and, with a window `W`, `j > i + offset - W`. A window of
+/// 0 hides every key (the intersection of two rules that share no key gives one).
+/// Both bounds are evaluated exactly, whatever the magnitudes (no overflow).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CausalRule {
     /// Key `j` is visible from query `i` only if `j <= i + offset`.
     pub offset: isize,
-    /// With a window `W`, also only if `j > i + offset - W`.
+    /// With a window `W`, also only if `j > i + offset - W` (`Some(0)`: no key).
     pub window: Option<usize>,
 }
 
 impl CausalRule {
-    /// Both rules at once: the smaller offset and the narrower window that
-    /// ends at it. Exact when the windows share the offset or either has none.
+    /// Both rules at once: the smaller offset, and the window from it down to the
+    /// larger of the two lower bounds (0 when that bound is not below the offset, so
+    /// that no key is visible). Computed in `i128`, so huge offsets and windows do not
+    /// overflow; a window that would exceed `usize::MAX` is clamped to it, which hides
+    /// nothing more for any `i + offset` below `usize::MAX`.
     fn intersect(self, other: CausalRule) -> CausalRule {
         let offset = self.offset.min(other.offset);
         // Lower bound of each rule: j > offset_k - W_k (+ i). Keep the larger.
-        let lower = |r: CausalRule| r.window.map(|w| r.offset - w as isize);
+        let lower = |r: CausalRule| r.window.map(|w| r.offset as i128 - w as i128);
         let low = match (lower(self), lower(other)) {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
         };
         CausalRule {
             offset,
-            window: low.map(|lo| (offset - lo).max(0) as usize),
+            window: low.map(|lo| (offset as i128 - lo).clamp(0, usize::MAX as i128) as usize),
         }
     }
 }
@@ -365,12 +370,13 @@ pub(crate) fn causal_additive(
 ) -> Result<Tensor> {
     let mut data = vec![f32::NEG_INFINITY; l * s];
     for i in 0..l {
-        let hi = i as isize + rule.offset; // inclusive
+        // In i128, so that no offset or window overflows.
+        let hi = i as i128 + rule.offset as i128; // inclusive
         let lo = match rule.window {
-            Some(w) => hi - w as isize + 1,
+            Some(w) => hi - w as i128 + 1,
             None => 0,
         };
-        for j in lo.max(0)..=hi.min(s as isize - 1) {
+        for j in lo.max(0)..=hi.min(s as i128 - 1) {
             data[i * s + j as usize] = 0.0;
         }
     }

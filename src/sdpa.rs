@@ -31,7 +31,8 @@ pub enum Backend {
     /// available on every device.
     Reference,
     /// The fused CPU kernel ([`crate::kernels::cpu`]); an error if the call is
-    /// not one it supports or records gradients.
+    /// not one it supports (attention weights, softcap, sinks, or a dtype or device
+    /// without a kernel) or records gradients.
     Fused,
 }
 
@@ -356,6 +357,16 @@ fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions, tracked: bool) ->
             if opts.need_weights {
                 candle::bail!(
                     "sdpa: the fused backend does not return attention weights; use Backend::Reference"
+                )
+            }
+            if opts.softcap.is_some() || opts.sinks.is_some() {
+                let what = match (opts.softcap.is_some(), opts.sinks.is_some()) {
+                    (true, true) => "softcap and sinks",
+                    (true, false) => "softcap",
+                    _ => "sinks",
+                };
+                candle::bail!(
+                    "sdpa: the fused backend does not support {what}; use Backend::Auto or Backend::Reference"
                 )
             }
             if tracked {

@@ -111,6 +111,79 @@ fn causal_alignments_equal_explicit_masks() -> Result<()> {
     Ok(())
 }
 
+/// An explicit `(L, S)` keep mask of `visible(i, j)`.
+fn keep_where(l: usize, s: usize, visible: impl Fn(i128, i128) -> bool) -> Result<AttnMask> {
+    let m: Vec<u8> = (0..l * s)
+        .map(|x| visible((x / s) as i128, (x % s) as i128) as u8)
+        .collect();
+    AttnMask::keep(&Tensor::from_vec(m, (l, s), &Device::Cpu)?)
+}
+
+/// Causal rules combined with `and`, including pairs that share no key (every row 0)
+/// and offsets and windows at the ends of `isize` and `usize`, give on both backends
+/// the output of the same visibility written as an explicit mask (checked in `i128`).
+#[test]
+fn causal_rules_combine_and_extremes_agree_on_both_backends() -> Result<()> {
+    use candle_attention::Backend;
+    let (l, s) = (3, 7);
+    let (q, k, v) = qkv(1, 2, l, s)?;
+    // (mask, visibility of key j from query i)
+    type Vis = Box<dyn Fn(i128, i128) -> bool>;
+    let sw = |w: usize, a: CausalAlign| AttnMask::sliding_window(w, a);
+    let cases: Vec<(&str, AttnMask, Vis)> = vec![
+        (
+            "top-left causal and a 2-key bottom-right window: no key in common",
+            AttnMask::causal().and(&sw(2, CausalAlign::BottomRight)?),
+            Box::new(|_, _| false),
+        ),
+        (
+            "j <= i + 1 and i - 1 < j <= i + 2",
+            AttnMask::causal_with_offset(1).and(&sw(3, CausalAlign::Offset(2))?),
+            Box::new(|i, j| j <= i + 1 && j > i - 1),
+        ),
+        (
+            "a window and an offset that leave the last row no key",
+            sw(2, CausalAlign::Offset(6))?.and(&AttnMask::causal_with_offset(5)),
+            Box::new(|i, j| j <= i + 5 && j > i + 4),
+        ),
+        (
+            "offset isize::MAX: every key",
+            AttnMask::causal_with_offset(isize::MAX),
+            Box::new(|_, _| true),
+        ),
+        (
+            "offset isize::MIN: no key",
+            AttnMask::causal_with_offset(isize::MIN),
+            Box::new(|_, _| false),
+        ),
+        (
+            "window usize::MAX, bottom-right",
+            sw(usize::MAX, CausalAlign::BottomRight)?,
+            Box::new(move |i, j| j <= i + (s - l) as i128),
+        ),
+        (
+            "window isize::MAX at offset isize::MAX: j > i",
+            sw(isize::MAX as usize, CausalAlign::Offset(isize::MAX))?,
+            Box::new(|i, j| j > i),
+        ),
+        (
+            "window usize::MAX at offset isize::MAX, and top-left causal",
+            sw(usize::MAX, CausalAlign::Offset(isize::MAX))?.and(&AttnMask::causal()),
+            Box::new(|i, j| j <= i),
+        ),
+    ];
+    for (name, mask, vis) in cases {
+        let want = run(&q, &k, &v, keep_where(l, s, &*vis)?)?;
+        for be in [Backend::Reference, Backend::Fused] {
+            let opts = SdpaOptions::new().with_mask(mask.clone()).with_backend(be);
+            let got = sdpa(&q, &k, &v, &opts)?;
+            let d = max_diff(&got, &want)?;
+            assert!(d < 1e-5, "{name}, {be:?}: max diff {d}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn sliding_window_lets_exactly_w_keys_through() -> Result<()> {
     let m = AttnMask::sliding_window(3, CausalAlign::TopLeft)?;

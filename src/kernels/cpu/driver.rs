@@ -99,12 +99,13 @@ impl Problem<'_> {
         match self.causal {
             None => (0, s),
             Some(c) => {
-                let clamp = |x: isize| x.clamp(0, s as isize) as usize;
-                let top = (i as isize).saturating_add(c.offset).saturating_add(1);
+                // In i128, so that no offset or window overflows.
+                let clamp = |x: i128| x.clamp(0, s as i128) as usize;
+                let top = i as i128 + c.offset as i128 + 1;
                 let hi = clamp(top);
                 let lo = match c.window {
                     None => 0,
-                    Some(w) => clamp(top.saturating_sub(isize::try_from(w).unwrap_or(isize::MAX))),
+                    Some(w) => clamp(top - w as i128),
                 };
                 (lo.min(hi), hi)
             }
@@ -1291,10 +1292,12 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
     }
     // Half-precision decode on AVX-512 reads K/V rows in place (`raw`); bf16 rows are
     // widened 32 at a time, split into even and odd elements (`avx512::qk_dot_raw`,
-    // `avx512::pv_rows`), so Q takes that layout here and the output leaves it at the end.
+    // `avx512::pv_rows`), so Q takes that layout here and the output leaves it at the end
+    // (`e > 0`: the split walks Q in rows of `e`).
     #[cfg(target_arch = "x86_64")]
     let raw = matches!(src, KvSrc::Rows)
         && isa == Isa::Avx512
+        && e > 0
         && e.is_multiple_of(16)
         && ev.is_multiple_of(16)
         && raw_rows_ok(p);

@@ -88,7 +88,8 @@ use pack::{Data, MaskView, View};
 pub struct Causal {
     /// Key j is visible from query i iff j <= i + offset (top-left: 0; bottom-right: S - L).
     pub offset: isize,
-    /// Optional sliding window W >= 1: additionally requires j > i + offset - W (exactly W keys).
+    /// Optional sliding window W: additionally requires j > i + offset - W (exactly W keys;
+    /// W = 0 hides every key, so every row is 0).
     pub window: Option<usize>,
 }
 
@@ -417,11 +418,6 @@ fn sdpa_impl(
             q.dims(),
             k.dims()
         );
-    }
-    if let Some(c) = causal {
-        if c.window == Some(0) {
-            candle::bail!("sdpa: causal window must be >= 1, got 0");
-        }
     }
     if let Some(m) = mask {
         let md = dims4(m, "mask")?;
