@@ -184,6 +184,48 @@ fn causal_rules_combine_and_extremes_agree_on_both_backends() -> Result<()> {
     Ok(())
 }
 
+/// Additive masks with finite values too large to scale by `log2 e` in f32 (Hugging
+/// Face hides keys with `f32::MIN`): the fused kernel, which keeps scores in log2 units,
+/// must treat them as the reference path does in natural units, as finite values. A
+/// row whose keys all carry `f32::MIN` is a softmax over equal scores (the mean of V),
+/// not a fully masked row, and a key at `f32::MAX` takes all the weight of its row.
+#[test]
+fn huge_finite_additive_values_stay_finite_on_both_backends() -> Result<()> {
+    use candle_attention::Backend;
+    let (l, s) = (4, 70);
+    let (q, k, v) = qkv(1, 2, l, s)?;
+    let mut m = vec![0f32; l * s];
+    m[..s].fill(f32::MIN); // row 0: every key at f32::MIN
+    for j in (0..s).step_by(3) {
+        m[s + j] = f32::MIN; // row 1: a third of the keys
+    }
+    m[2 * s + 66] = f32::MAX; // row 2: one key at f32::MAX
+    m[3 * s + 5] = f32::NEG_INFINITY; // row 3: one key hidden
+    let m = Tensor::from_vec(m, (l, s), &Device::Cpu)?;
+    let mean_v = v.mean_keepdim(2)?; // (1, 2, 1, 6)
+    let v66 = v.narrow(2, 66, 1)?;
+    // Contiguous, and a transposed copy seen as `(L, S)`, whose key stride is not 1
+    // (the kernel's scalar loop; the contiguous rows take AVX-512 where there is one).
+    for m in [m.clone(), m.t()?.contiguous()?.t()?] {
+        let mask = AttnMask::additive(&m)?;
+        for be in [Backend::Reference, Backend::Fused] {
+            let opts = SdpaOptions::new().with_mask(mask.clone()).with_backend(be);
+            let o = sdpa(&q, &k, &v, &opts)?;
+            assert!(max_diff(&o.narrow(2, 0, 1)?, &mean_v)? < 1e-5, "{be:?}: row 0");
+            assert!(max_diff(&o.narrow(2, 2, 1)?, &v66)? < 1e-5, "{be:?}: row 2");
+        }
+        let fused = SdpaOptions::new()
+            .with_mask(mask.clone())
+            .with_backend(Backend::Fused);
+        let reference = SdpaOptions::new()
+            .with_mask(mask)
+            .with_backend(Backend::Reference);
+        let d = max_diff(&sdpa(&q, &k, &v, &fused)?, &sdpa(&q, &k, &v, &reference)?)?;
+        assert!(d < 1e-5, "fused against reference: {d}");
+    }
+    Ok(())
+}
+
 #[test]
 fn sliding_window_lets_exactly_w_keys_through() -> Result<()> {
     let m = AttnMask::sliding_window(3, CausalAlign::TopLeft)?;

@@ -360,7 +360,8 @@ impl MaskView<'_> {
         self.scale_add_row(b, h, i, j0, row, 1.0, mul)
     }
 
-    /// `row = scale * row + mul * mask[b, h, i, j0 .. j0 + row.len()]`.
+    /// `row = scale * row + mul * mask[b, h, i, j0 .. j0 + row.len()]`, where a finite
+    /// mask value whose sum overflows gives ±`f32::MAX` instead of ±∞ ([`keep_finite`]).
     #[inline]
     #[allow(clippy::too_many_arguments)]
     pub fn scale_add_row(
@@ -387,21 +388,34 @@ impl MaskView<'_> {
                 return unsafe { scale_add_avx512(row, scale, m, mul) };
             }
             for (d, &mv) in row.iter_mut().zip(m) {
-                *d = *d * scale + mv * mul;
-            }
-        } else if scale != 1.0 {
-            for (x, d) in row.iter_mut().enumerate() {
-                *d = *d * scale + self.data[off + x * st] * mul;
+                *d = keep_finite(mv, *d * scale + mv * mul);
             }
         } else {
             for (x, d) in row.iter_mut().enumerate() {
-                *d += self.data[off + x * st] * mul;
+                let mv = self.data[off + x * st];
+                *d = keep_finite(mv, *d * scale + mv * mul);
             }
         }
     }
 }
 
-/// `row = scale * row + mul * m` (`m.len() >= row.len()`).
+/// `r`, the score plus the mask value `m` scaled to log2 units, except that an
+/// infinite `r` from a finite `m` becomes ±`f32::MAX`. The scaling by `log2 e` overflows
+/// for `|m|` above about 2.36e38: Hugging Face masks hidden keys with `f32::MIN`, and
+/// the reference path adds that in natural units, where it stays finite. A row whose
+/// keys all carry it is then a softmax over equal scores (the mean of V), as in
+/// PyTorch, not a fully masked row (zeros). -∞ and NaN mask values are kept.
+#[inline]
+fn keep_finite(m: f32, r: f32) -> f32 {
+    if r.is_infinite() && m.is_finite() {
+        f32::MAX.copysign(r)
+    } else {
+        r
+    }
+}
+
+/// `row = scale * row + mul * m` (`m.len() >= row.len()`), with [`keep_finite`] on
+/// each lane.
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
@@ -411,6 +425,8 @@ unsafe fn scale_add_avx512(row: &mut [f32], scale: f32, m: &[f32], mul: f32) {
     use std::arch::x86_64::*;
     let n = row.len().min(m.len());
     let (sv, mv) = (_mm512_set1_ps(scale), _mm512_set1_ps(mul));
+    let (ninf, pinf) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_set1_ps(f32::INFINITY));
+    let (min, max) = (_mm512_set1_ps(f32::MIN), _mm512_set1_ps(f32::MAX));
     let mut i = 0;
     while i < n {
         let k = if n - i >= 16 {
@@ -421,11 +437,12 @@ unsafe fn scale_add_avx512(row: &mut [f32], scale: f32, m: &[f32], mul: f32) {
         // SAFETY: lanes past `n` are masked off, so only in-bounds elements are touched.
         let x = _mm512_maskz_loadu_ps(k, row.as_ptr().add(i));
         let y = _mm512_maskz_loadu_ps(k, m.as_ptr().add(i));
-        _mm512_mask_storeu_ps(
-            row.as_mut_ptr().add(i),
-            k,
-            _mm512_fmadd_ps(y, mv, _mm512_mul_ps(x, sv)),
-        );
+        let r = _mm512_fmadd_ps(y, mv, _mm512_mul_ps(x, sv));
+        // `keep_finite`: lanes that reached ∓∞ from a mask value other than ∓∞.
+        let lo = _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(y, ninf), r, ninf);
+        let hi = _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(y, pinf), r, pinf);
+        let r = _mm512_mask_mov_ps(_mm512_mask_mov_ps(r, lo, min), hi, max);
+        _mm512_mask_storeu_ps(row.as_mut_ptr().add(i), k, r);
         i += 16;
     }
 }
@@ -782,6 +799,54 @@ mod tests {
             data,
             start: 0,
             strides: [b_stride, h_stride, 0, 1],
+        }
+    }
+
+    /// `scale_add_row` with mask values whose product with `log2 e` overflows f32: finite
+    /// ones give ±`f32::MAX`, -∞ stays -∞ and NaN stays NaN, in the unit-stride loop
+    /// (AVX-512 where the CPU has it; 20 lanes, so a masked tail too) and in the strided
+    /// scalar one, which must agree bit for bit with a plain evaluation elsewhere.
+    #[test]
+    fn mask_values_that_overflow_when_scaled_stay_finite() {
+        let l2e = std::f32::consts::LOG2_E;
+        let vals = [f32::MIN, f32::MAX, -3e38, NEG, f32::NAN, -1e30, 0.0, 2.5];
+        let m: Vec<f32> = (0..20).map(|j| vals[j % vals.len()]).collect();
+        let scores: Vec<f32> = (0..20).map(|j| j as f32 * 0.25 - 2.0).collect();
+        // Strided: the same 20 values at every other element.
+        let spread: Vec<f32> = m.iter().flat_map(|&x| [x, 7.0]).collect();
+        for (data, st) in [(&m[..], 1usize), (&spread[..], 2)] {
+            let view = MaskView {
+                data,
+                start: 0,
+                strides: [0, 0, 0, st],
+            };
+            let mut row = scores.clone();
+            view.scale_add_row(0, 0, 0, 0, &mut row, 0.5, l2e);
+            for (j, (&got, &x)) in row.iter().zip(&scores).enumerate() {
+                let mv = m[j];
+                let want = if mv.is_nan() {
+                    f32::NAN
+                } else if mv == NEG {
+                    NEG
+                } else if mv <= -3e38 {
+                    f32::MIN
+                } else if mv == f32::MAX {
+                    f32::MAX
+                } else {
+                    x * 0.5 + mv * l2e
+                };
+                if want.is_nan() {
+                    assert!(got.is_nan(), "stride {st}, key {j}: {got}");
+                } else if st == 2 || want.abs() == f32::MAX || want == NEG {
+                    assert_eq!(got, want, "stride {st}, key {j}");
+                } else {
+                    // The vector loop fuses the multiply-add: one rounding fewer.
+                    assert!(
+                        (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                        "stride {st}, key {j}: {got} vs {want}"
+                    );
+                }
+            }
         }
     }
 
