@@ -416,6 +416,10 @@ fn reference(
     let q = q.to_dtype(cd)?.reshape((n, hkv, g * l, e))?;
     let k = k.to_dtype(cd)?.reshape((n, hkv, s, e))?;
     let v = v.to_dtype(cd)?.reshape((n, hkv, s, ev))?;
+    // With E = 0 every score is the empty sum 0, whatever the scale (the default
+    // 1/√0 is infinite): PyTorch, which scales q and k by √scale before their product,
+    // then returns the mean of V, and so does the fused kernel.
+    let scale = if e == 0 { 1.0 } else { scale };
     let mut scores = q.matmul(&k.t()?)?.affine(scale, 0.0)?.reshape((n, hq, l, s))?;
     if let Some(cap) = opts.softcap {
         scores = ((scores / cap)?.tanh()? * cap)?;

@@ -261,6 +261,29 @@ fn bad_shapes_are_errors_that_name_them() -> Result<()> {
     Ok(())
 }
 
+/// E = 0: every score is the empty sum 0, so each row is the mean of V, also with the
+/// default scale 1/√0 = ∞ (PyTorch 2.15 returns the mean there too, where `0 · ∞` would
+/// be NaN), on both backends and in every dtype.
+#[test]
+fn zero_head_dim_gives_the_mean_of_v_whatever_the_scale() -> Result<()> {
+    let dev = Device::Cpu;
+    let v = Tensor::arange(0f32, 40.0, &dev)?.reshape((1, 2, 5, 4))?;
+    let want = v.mean_keepdim(2)?.broadcast_as((1, 2, 3, 4))?.contiguous()?;
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let q = Tensor::zeros((1, 2, 3, 0), dt, &dev)?;
+        let k = Tensor::zeros((1, 2, 5, 0), dt, &dev)?;
+        let v = v.to_dtype(dt)?;
+        for be in [Backend::Reference, Backend::Fused] {
+            for opts in [SdpaOptions::new(), SdpaOptions::new().with_scale(f64::INFINITY)] {
+                let o = sdpa(&q, &k, &v, &opts.with_backend(be))?.to_dtype(DType::F32)?;
+                let d = max_diff(&o, &want)?;
+                assert!(d < 1e-5, "{dt:?} {be:?}: {d}");
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn fused_backend_errors_when_it_cannot_run() -> Result<()> {
     let q = randn(&[1, 2, 3, 4])?.to_dtype(DType::F64)?;
