@@ -493,6 +493,31 @@ fn both_rope_spellings_give_the_same_layer() -> Result<()> {
     Ok(())
 }
 
+/// `partial_rotary_factor` as Hugging Face's modeling code reads it: GPT-NeoX
+/// (`rotary_pct` too) and Phi-3 rotate that share of the head; Llama, Mistral and Qwen2
+/// ignore it and rotate the whole head.
+#[test]
+fn partial_rotary_follows_each_architectures_modeling() -> Result<()> {
+    let rot = |arch: &str, json: &str| -> Result<usize> {
+        let cfg = DecoderAttentionConfig::from_hf(arch, &hf(json), 0, false)?;
+        Ok(cfg.rope.expect("a rope layer").rotary_dim)
+    };
+    let top =
+        r#"{"hidden_size": 32, "num_attention_heads": 4, "rope_theta": 1e4, "partial_rotary_factor": 0.5}"#;
+    let nested = r#"{"hidden_size": 32, "num_attention_heads": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}"#;
+    for json in [top, nested] {
+        for arch in ["llama", "mistral", "qwen2"] {
+            assert_eq!(rot(arch, json)?, 8, "{arch}");
+        }
+        assert_eq!(rot("phi3", json)?, 4);
+        assert_eq!(rot("gpt_neox", json)?, 4);
+    }
+    let pct = r#"{"hidden_size": 32, "num_attention_heads": 4, "rope_theta": 1e4, "rotary_pct": 0.25}"#;
+    assert_eq!(rot("gpt_neox", pct)?, 2);
+    Ok(())
+}
+
 #[test]
 fn growable_cache_doubles_its_buffer() -> Result<()> {
     let mut cache = KvCache::new();

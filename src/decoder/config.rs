@@ -432,10 +432,18 @@ impl DecoderAttentionConfig {
     ) -> Result<RopeConfig> {
         let p = cfg.rope_params(layer_type);
         let theta = num(&p, "rope_theta").ok_or_else(|| missing(arch, "rope_theta"))?;
-        let partial = num(&p, "partial_rotary_factor")
-            .or(cfg.partial_rotary_factor)
-            .or(cfg.rotary_pct)
-            .unwrap_or(1.0);
+        // Only GPT-NeoX's and Phi-3's modeling code rotates part of the head. The others'
+        // (Llama, Mistral, Qwen2/3, Gemma 2/3, gpt-oss) compute the default rope over the
+        // whole head and ignore `partial_rotary_factor` (transformers 5.25; with a scaled
+        // rope type they apply it to the frequencies and then fail on the shapes).
+        let partial = if matches!(arch, "gpt_neox" | "phi3") {
+            num(&p, "partial_rotary_factor")
+                .or(cfg.partial_rotary_factor)
+                .or(cfg.rotary_pct)
+                .unwrap_or(1.0)
+        } else {
+            1.0
+        };
         let rotary_dim = (head_dim as f64 * partial) as usize;
         let kind = p
             .get("rope_type")
