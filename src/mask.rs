@@ -152,7 +152,11 @@ impl AttnMask {
     /// Shape: broadcastable to `(…, Hq, L, S)`.
     pub fn ignore(mask: &Tensor) -> Result<Self> {
         check_bool(mask, "ignore")?;
-        let keep = mask.eq(0u8)?;
+        // An empty mask is built without a kernel (see `crate::empty` for candle's CUDA backend).
+        let keep = match mask.elem_count() {
+            0 => Tensor::zeros(mask.shape(), DType::U8, mask.device())?,
+            _ => mask.eq(0u8)?,
+        };
         Ok(Self {
             parts: vec![Part::Keep(keep)],
         })
@@ -288,6 +292,10 @@ impl AttnMask {
         for part in &self.parts {
             let t = match part {
                 Part::Causal { .. } => continue,
+                Part::Keep(t) if t.elem_count() == 0 => {
+                    let t = align_rank(t, scores)?;
+                    Tensor::zeros(t.shape(), dtype, t.device())?
+                }
                 Part::Keep(t) => {
                     let t = align_rank(t, scores)?;
                     let zero = Tensor::zeros((), dtype, t.device())?.broadcast_as(t.shape())?;
@@ -296,7 +304,7 @@ impl AttnMask {
                         .broadcast_as(t.shape())?;
                     t.where_cond(&zero, &ninf)?
                 }
-                Part::Additive(t) => align_rank(t, scores)?.to_dtype(dtype)?,
+                Part::Additive(t) => crate::empty::to_dtype(&align_rank(t, scores)?, dtype)?,
             };
             acc = Some(match acc {
                 None => t,
@@ -380,5 +388,5 @@ pub(crate) fn causal_additive(
             data[i * s + j as usize] = 0.0;
         }
     }
-    Tensor::from_vec(data, (l, s), device)?.to_dtype(dtype)
+    crate::empty::to_dtype(&Tensor::from_vec(data, (l, s), device)?, dtype)
 }

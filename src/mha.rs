@@ -12,6 +12,7 @@ use candle::{IndexOp, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
+use crate::empty;
 use crate::mask::AttnMask;
 use crate::proj::Proj;
 use crate::sdpa::{attention, compute_dtype, Backend, SdpaOptions};
@@ -316,8 +317,29 @@ impl MultiheadAttention {
             mask = mask.and(&AttnMask::key_padding(&kpm)?);
         }
 
-        // Projections, in the accumulation dtype.
         let dt = query.dtype();
+        if n == 0 || l == 0 {
+            // No query: the output and the weights are empty. Nothing below runs, since
+            // candle's CPU copy panics on the views at an offset into an empty projection
+            // that the heads and `add_zero_attn` would make.
+            let o = self.to_query_layout(Tensor::zeros((n, l, e), dt, query.device())?, unbatched)?;
+            let w = match args.need_weights {
+                false => None,
+                true => {
+                    let keys = s + extra_keys;
+                    let shape = match (args.average_attn_weights, unbatched) {
+                        (true, true) => vec![l, keys],
+                        (true, false) => vec![n, l, keys],
+                        (false, true) => vec![h, l, keys],
+                        (false, false) => vec![n, h, l, keys],
+                    };
+                    Some(Tensor::zeros(shape, dt, query.device())?)
+                }
+            };
+            return Ok((o, w));
+        }
+
+        // Projections, in the accumulation dtype.
         let cd = compute_dtype(dt);
         let heads = |t: &Tensor| -> Result<Tensor> {
             let (n, len, _) = t.dims3()?;
@@ -367,16 +389,17 @@ impl MultiheadAttention {
         let att = attention(&q, &k, &v, &opts, true)?;
         // (N, H, L, hd) → (N, L, E) → out_proj.
         let o = att.output.transpose(1, 2)?.reshape((n, l, e))?;
-        let o = self.out.forward(&o)?.to_dtype(dt)?;
+        let o = empty::to_dtype(&self.out.forward(&o)?, dt)?;
         let o = self.to_query_layout(o, unbatched)?;
         let w = match att.weights {
             None => None,
             Some(w) => {
                 let w = if args.average_attn_weights {
-                    w.mean(1)?.to_dtype(dt)?
+                    empty::mean(&w, 1)?
                 } else {
-                    w.to_dtype(dt)?
+                    w
                 };
+                let w = empty::to_dtype(&w, dt)?;
                 Some(if unbatched { w.squeeze(0)? } else { w })
             }
         };
