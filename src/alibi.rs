@@ -20,6 +20,9 @@ pub fn alibi_slopes(num_heads: usize) -> Vec<f64> {
 
 /// The additive bias `slope_h · position_j`, shape `(1, H, 1, S)`, in `dtype`.
 pub fn alibi_bias(slopes: &[f64], key_positions: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    if !dtype.is_float() {
+        candle::bail!("alibi: the bias must be a float dtype, got {dtype:?}")
+    }
     let (h, s) = (slopes.len(), key_positions.len());
     let mut data = Vec::with_capacity(h * s);
     for &m in slopes {

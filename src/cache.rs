@@ -87,6 +87,13 @@ impl KvCache {
         if window == 0 {
             candle::bail!("rotating KV cache needs a window of at least 1 token")
         }
+        // The ring of slot positions, and the slot indices (u32), must fit.
+        if window > u32::MAX as usize {
+            candle::bail!(
+                "rotating KV cache: a window of {window} tokens is more than {} slots",
+                u32::MAX
+            )
+        }
         Ok(Self::with_mode(Mode::Rotating(window)))
     }
 
@@ -209,17 +216,27 @@ impl KvCache {
         if let Some(ck) = &self.k {
             let cd = ck.dims();
             let cv = self.v.as_ref().map(|t| t.dims().to_vec()).unwrap_or_default();
-            let same = cd[0] == b && cd[1] == h && cd[3] == k.dim(3)? && cv.get(3) == Some(&v.dim(3)?);
-            if (!same || ck.dtype() != k.dtype()) && !self.is_empty() {
+            let cvt = self.v.as_ref().map(|t| t.dtype());
+            let same = cd[0] == b
+                && cd[1] == h
+                && cd[3] == k.dim(3)?
+                && cv.get(3) == Some(&v.dim(3)?)
+                && ck.dtype() == k.dtype()
+                && cvt == Some(v.dtype());
+            if !same && !self.is_empty() {
                 candle::bail!(
-                    "KV cache holds {:?} {:?} but got keys {:?} {:?}; reset it before changing shapes",
+                    "KV cache holds keys {:?} {:?} and values {:?} {:?} but got keys {:?} {:?} and values {:?} {:?}; reset it before changing shapes or dtypes",
                     cd,
                     ck.dtype(),
+                    cv,
+                    cvt,
                     k.dims(),
-                    k.dtype()
+                    k.dtype(),
+                    v.dims(),
+                    v.dtype()
                 )
             }
-            if !same || ck.dtype() != k.dtype() {
+            if !same {
                 self.k = None;
                 self.v = None;
             }
@@ -240,7 +257,7 @@ impl KvCache {
                 candle::bail!("KV cache overflow: capacity {max} tokens, holds {len}, cannot append {l} more")
             }
         }
-        if need > cap {
+        if need > cap || self.k.is_none() {
             let new_cap = match self.mode {
                 Mode::Fixed(max) => max,
                 _ => need.max(2 * cap).max(16),
@@ -249,8 +266,8 @@ impl KvCache {
             self.v = Some(grow(self.v.as_ref(), v, len, new_cap)?);
         }
         let (ck, cv) = self.buffers()?;
-        ck.slice_set(&k.contiguous()?, SEQ, len)?;
-        cv.slice_set(&v.contiguous()?, SEQ, len)?;
+        set_seq(&ck, k, len)?;
+        set_seq(&cv, v, len)?;
         self.len = need;
         self.seen += l;
         Ok(KvView {
@@ -283,16 +300,16 @@ impl KvCache {
                 (ck.clone(), cv.clone())
             } else {
                 let idx = Tensor::new(held.as_slice(), k.device())?;
-                (ck.index_select(&idx, SEQ)?, cv.index_select(&idx, SEQ)?)
+                (select_seq(&ck, &idx)?, select_seq(&cv, &idx)?)
             };
-            (Tensor::cat(&[&old_k, k], SEQ)?, Tensor::cat(&[&old_v, v], SEQ)?)
+            (cat_seq(&old_k, k)?, cat_seq(&old_v, v)?)
         };
         // Store the last min(l, w) new tokens at slot = position % w.
         for t in l - l.min(w)..l {
             let pos = self.seen + t;
             let slot = pos % w;
-            ck.slice_set(&k.narrow(SEQ, t, 1)?.contiguous()?, SEQ, slot)?;
-            cv.slice_set(&v.narrow(SEQ, t, 1)?.contiguous()?, SEQ, slot)?;
+            set_seq(&ck, &k.narrow(SEQ, t, 1)?, slot)?;
+            set_seq(&cv, &v.narrow(SEQ, t, 1)?, slot)?;
             self.ring[slot] = Some(pos);
         }
         self.seen += l;
@@ -314,11 +331,57 @@ impl KvCache {
 /// A zeroed `(B, H, cap, D)` buffer like `like`, holding the first `len` tokens of `old`.
 fn grow(old: Option<&Tensor>, like: &Tensor, len: usize, cap: usize) -> Result<Tensor> {
     let (b, h, _, d) = like.dims4()?;
+    let bytes = [b, h, cap, d, like.dtype().size_in_bytes()]
+        .iter()
+        .try_fold(1usize, |acc, &x| acc.checked_mul(x))
+        .filter(|&n| n <= isize::MAX as usize);
+    if bytes.is_none() {
+        candle::bail!(
+            "KV cache: a buffer of {cap} tokens for {:?} {:?} does not fit in memory",
+            like.dims(),
+            like.dtype()
+        )
+    }
     let buf = Tensor::zeros((b, h, cap, d), like.dtype(), like.device())?;
     if let Some(old) = old {
         if len > 0 {
-            buf.slice_set(&old.narrow(SEQ, 0, len)?.contiguous()?, SEQ, 0)?;
+            set_seq(&buf, &old.narrow(SEQ, 0, len)?, 0)?;
         }
     }
     Ok(buf)
+}
+
+// Empty tensors (B, H or D = 0) are handled apart below: candle's CPU copy of an empty
+// view at an offset (a narrowed empty tensor) indexes out of bounds, and its CUDA backend
+// cannot `index_select` with no element.
+
+/// `dst[.., .., at..at + L, ..] = src`.
+fn set_seq(dst: &Tensor, src: &Tensor, at: usize) -> Result<()> {
+    if src.elem_count() == 0 {
+        return Ok(());
+    }
+    dst.slice_set(&src.contiguous()?, SEQ, at)
+}
+
+/// The tokens `idx` of `t` along the sequence dim.
+fn select_seq(t: &Tensor, idx: &Tensor) -> Result<Tensor> {
+    if t.elem_count() == 0 {
+        let (b, h, _, d) = t.dims4()?;
+        return Tensor::zeros((b, h, idx.elem_count(), d), t.dtype(), t.device());
+    }
+    t.index_select(idx, SEQ)
+}
+
+/// `a` then `b` along the sequence dim.
+fn cat_seq(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.elem_count() == 0 && b.elem_count() == 0 {
+        let mut shape = a.dims().to_vec();
+        shape[SEQ] += b.dim(SEQ)?;
+        return Tensor::zeros(shape, a.dtype(), a.device());
+    }
+    let part = |t: &Tensor| match t.elem_count() {
+        0 => Tensor::zeros(t.shape(), t.dtype(), t.device()),
+        _ => Ok(t.clone()),
+    };
+    Tensor::cat(&[&part(a)?, &part(b)?], SEQ)
 }

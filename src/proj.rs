@@ -155,7 +155,14 @@ impl Proj {
                 )
             }
         }
-        Ok((x.elem_count() / in_dim.max(1), in_dim))
+        if !x.dtype().is_float() {
+            candle::bail!(
+                "projection input must be a float tensor, got {dims:?} {:?}",
+                x.dtype()
+            )
+        }
+        // The product of the leading dims (not elem_count / in, which is 0 when in = 0).
+        Ok((dims[..dims.len() - 1].iter().product(), in_dim))
     }
 
     /// Whether [`Proj::forward`] of `x (…, in)` runs on this crate's CPU kernel (f32 `x`

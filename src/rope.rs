@@ -90,15 +90,15 @@ impl RotaryEmbedding {
         if dim == 0 || dim % 2 != 0 || dim > hd {
             candle::bail!("rope: rotary_dim must be even, positive and at most head_dim ({hd}), got {dim}")
         }
-        if cfg.theta.is_nan() || cfg.theta <= 1.0 {
+        if !cfg.theta.is_finite() || cfg.theta <= 1.0 {
             candle::bail!("rope: rope_theta must be greater than 1, got {}", cfg.theta)
         }
         let base: Vec<f64> = (0..dim / 2)
             .map(|i| 1.0 / cfg.theta.powf((2 * i) as f64 / dim as f64))
             .collect();
         let positive = |name: &str, x: f64| -> Result<()> {
-            if x.is_nan() || x <= 0.0 {
-                candle::bail!("rope: {name} must be positive, got {x}")
+            if !x.is_finite() || x <= 0.0 {
+                candle::bail!("rope: {name} must be positive and finite, got {x}")
             }
             Ok(())
         };
@@ -116,6 +116,8 @@ impl RotaryEmbedding {
             } => {
                 positive("factor", *factor)?;
                 positive("original_max_position_embeddings", *old)?;
+                positive("low_freq_factor", *low_freq_factor)?;
+                positive("high_freq_factor", *high_freq_factor)?;
                 if high_freq_factor <= low_freq_factor {
                     candle::bail!(
                         "rope: llama3 needs high_freq_factor > low_freq_factor, got {high_freq_factor} and {low_freq_factor}"
@@ -152,6 +154,16 @@ impl RotaryEmbedding {
             } => {
                 positive("factor", *factor)?;
                 positive("original_max_position_embeddings", *old)?;
+                positive("beta_fast", *beta_fast)?;
+                positive("beta_slow", *beta_slow)?;
+                if let Some(a) = attention_factor {
+                    positive("attention_factor", *a)?;
+                }
+                for (name, m) in [("mscale", mscale), ("mscale_all_dim", mscale_all_dim)] {
+                    if let Some(m) = m.filter(|m| !m.is_finite()) {
+                        candle::bail!("rope: {name} must be finite, got {m}")
+                    }
+                }
                 let get_mscale = |scale: f64, m: f64| {
                     if scale <= 1.0 {
                         1.0
@@ -192,6 +204,12 @@ impl RotaryEmbedding {
                 (f, att)
             }
         };
+        if inv_freq.iter().any(|f: &f64| !f.is_finite()) || !attention_scaling.is_finite() {
+            candle::bail!(
+                "rope: {:?} gives non-finite frequencies or scaling (inv_freq {inv_freq:?}, scaling {attention_scaling})",
+                cfg.scaling
+            )
+        }
         Ok(Self {
             inv_freq,
             attention_scaling,
@@ -225,6 +243,9 @@ impl RotaryEmbedding {
                 "rope: position_ids must be integers, got {:?}",
                 position_ids.dtype()
             )
+        }
+        if !dtype.is_float() {
+            candle::bail!("rope: cos and sin must be a float dtype, got {dtype:?}")
         }
         let dev = position_ids.device();
         let half = self.inv_freq.len();
@@ -267,13 +288,26 @@ impl RotaryEmbedding {
 
     /// Rotates `x` `(B, H, L, head_dim)` with `cos`/`sin` `(B, L, rotary_dim/2)` from [`Self::cos_sin`].
     pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let (_, _, _, d) = x.dims4()?;
+        let (b, _, l, d) = x.dims4()?;
         if d != self.head_dim {
             candle::bail!(
                 "rope: expected heads of size {}, got x {:?}",
                 self.head_dim,
                 x.dims()
             )
+        }
+        let want = [b, l, self.rotary_dim / 2];
+        if cos.dims() != want || sin.dims() != want {
+            candle::bail!(
+                "rope: cos and sin must be {want:?} (B, L, rotary_dim/2) for x {:?}, got cos {:?}, sin {:?}",
+                x.dims(),
+                cos.dims(),
+                sin.dims()
+            )
+        }
+        if x.elem_count() == 0 {
+            // Nothing to rotate (candle's rope kernels index out of bounds on empty inputs).
+            return Tensor::zeros(x.shape(), x.dtype(), x.device());
         }
         let rot = x.narrow(D::Minus1, 0, self.rotary_dim)?.contiguous()?;
         let rotated = match self.style {

@@ -1,15 +1,17 @@
 //! Zero-sized dimensions on the test device: CUDA when the tests are built with
 //! `--features cuda` on a machine with a GPU, else the CPU. candle's CUDA backend cannot
-//! cast or reduce empty tensors, so the crate routes them around those ops; these tests
+//! cast or reduce empty tensors, and its CPU copies of empty views at an offset index out
+//! of bounds, so the crate routes empty tensors around those ops. The attention tests
 //! compare every such call with the reference path in f64 on the CPU.
 mod common;
 use std::collections::HashMap;
 
+use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, QkNorm, QkvLayout};
 use candle_attention::{
-    scaled_dot_product_attention, AttnMask, Backend, MhaArgs, MultiheadAttention, MultiheadAttentionConfig,
-    SdpaOptions,
+    scaled_dot_product_attention, AttnMask, Backend, KvCache, MhaArgs, MultiheadAttention,
+    MultiheadAttentionConfig, RopeConfig, RopeScaling, RopeStyle, RotaryEmbedding, SdpaOptions,
 };
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use common::max_diff;
 
@@ -202,6 +204,143 @@ fn multihead_attention_with_zero_sized_dims_on_the_test_device() -> Result<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// Rotary embeddings and every kind of KV cache with an empty batch, no heads or no new
+/// token. Narrowed empty tensors sit at an offset into no memory, which candle's copies
+/// once indexed out of bounds.
+#[test]
+fn rope_and_kv_cache_with_zero_sized_dims_on_the_test_device() -> Result<()> {
+    let dev = Device::cuda_if_available(0)?;
+    for style in [RopeStyle::HalfSplit, RopeStyle::Interleaved] {
+        let rope = RotaryEmbedding::new(&RopeConfig {
+            head_dim: 8,
+            rotary_dim: 6,
+            theta: 1e4,
+            style,
+            scaling: RopeScaling::Default,
+        })?;
+        for (b, h, l) in [(1, 2, 0), (0, 2, 3), (2, 0, 3)] {
+            let pos = Tensor::zeros((b, l), DType::I64, &dev)?;
+            let (cos, sin) = rope.cos_sin(&pos, DType::F32)?;
+            // A view at an offset: the second half of a (B, H, 2L, 8) tensor.
+            let x = Tensor::zeros((b, h, 2 * l, 8), DType::F32, &dev)?.narrow(2, l, l)?;
+            let y = rope.apply(&x, &cos, &sin)?;
+            assert_eq!(y.dims(), [b, h, l, 8], "{style:?} B={b} H={h} L={l}");
+        }
+    }
+    let filled = values(&[1, 2, 3, 4], 20)?.to_device(&dev)?;
+    for kind in 0..3 {
+        let new = || -> Result<KvCache> {
+            Ok(match kind {
+                0 => KvCache::new(),
+                1 => KvCache::with_max_len(8),
+                _ => KvCache::rotating(2)?,
+            })
+        };
+        // No new token, on a fresh cache and after three tokens.
+        let none = Tensor::zeros((1, 2, 0, 4), DType::F32, &dev)?;
+        let view = new()?.append(&none, &none)?;
+        assert_eq!(
+            (view.k.dims(), view.positions.len()),
+            ([1, 2, 0, 4].as_slice(), 0),
+            "kind {kind}"
+        );
+        let mut cache = new()?;
+        cache.append(&filled, &filled)?;
+        let before = cache.current()?.expect("three tokens");
+        let view = cache.append(&none, &none)?;
+        assert_eq!(view.positions, before.positions, "kind {kind}");
+        assert_eq!(
+            max_diff(
+                &view.k.to_device(&Device::Cpu)?,
+                &before.k.to_device(&Device::Cpu)?
+            )?,
+            0.0
+        );
+        assert_eq!(cache.seen(), 3);
+        // No heads and an empty batch, narrowed so that they sit at an offset.
+        for shape in [[1, 0, 5, 4], [0, 2, 5, 4]] {
+            let mut cache = new()?;
+            let k = Tensor::zeros(&shape, DType::F32, &dev)?.narrow(2, 2, 3)?;
+            cache.append(&k, &k)?;
+            let view = cache.append(&k.narrow(2, 0, 1)?, &k.narrow(2, 0, 1)?)?;
+            let held = if kind == 2 { 3 } else { 4 };
+            assert_eq!(
+                view.k.dims(),
+                [shape[0], shape[1], held, 4],
+                "kind {kind} {shape:?}"
+            );
+            assert_eq!(cache.seen(), 4);
+        }
+    }
+    Ok(())
+}
+
+/// A decoder layer whose q, k and v are views into one packed projection (Phi-3), with
+/// rope and q/k norms, on an empty batch or sequence, and a zero-length decoding step.
+#[test]
+fn decoder_layer_with_zero_sized_dims_on_the_test_device() -> Result<()> {
+    let dev = Device::cuda_if_available(0)?;
+    let (hidden, heads, kv_heads, hd) = (8, 2, 1, 4);
+    let cfg = DecoderAttentionConfig {
+        hidden_size: hidden,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+        layout: QkvLayout::Packed {
+            qkv: "qkv_proj".into(),
+            o: "o_proj".into(),
+            qkv_bias: true,
+            o_bias: false,
+        },
+        qk_norm: Some(QkNorm {
+            eps: 1e-6,
+            unit_offset: false,
+        }),
+        rope: Some(RopeConfig {
+            head_dim: hd,
+            rotary_dim: hd,
+            theta: 1e4,
+            style: RopeStyle::HalfSplit,
+            scaling: RopeScaling::Default,
+        }),
+        alibi: false,
+        softcap: None,
+        sinks: false,
+        sliding_window: Some(2),
+        scale: 0.5,
+        cross_attention: false,
+        max_position_embeddings: None,
+    };
+    let qkv = (heads + 2 * kv_heads) * hd;
+    let mut m = HashMap::new();
+    m.insert(
+        "qkv_proj.weight".to_string(),
+        values(&[qkv, hidden], 21)?.to_device(&dev)?,
+    );
+    m.insert("qkv_proj.bias".to_string(), values(&[qkv], 22)?.to_device(&dev)?);
+    m.insert(
+        "o_proj.weight".to_string(),
+        values(&[hidden, heads * hd], 23)?.to_device(&dev)?,
+    );
+    m.insert("q_norm.weight".to_string(), values(&[hd], 24)?.to_device(&dev)?);
+    m.insert("k_norm.weight".to_string(), values(&[hd], 25)?.to_device(&dev)?);
+    let layer = DecoderAttention::new(&cfg, VarBuilder::from_tensors(m, DType::F32, &dev))?;
+    for (b, l) in [(0, 2), (2, 0), (0, 0)] {
+        let y = layer.forward(&Tensor::zeros((b, l, hidden), DType::F32, &dev)?)?;
+        assert_eq!(y.dims(), [b, l, hidden]);
+    }
+    // Prefill three tokens, then a step of none: linear and rotating caches.
+    let x = values(&[1, 3, hidden], 26)?.to_device(&dev)?;
+    let pos = |from: i64, l: usize| Tensor::arange(from, from + l as i64, &dev)?.reshape((1, l));
+    for mut cache in [KvCache::new(), layer.new_cache()?] {
+        layer.forward_cached(&x, &pos(0, 3)?, None, Some(&mut cache))?;
+        let y = layer.forward_cached(&x.narrow(1, 3, 0)?, &pos(3, 0)?, None, Some(&mut cache))?;
+        assert_eq!(y.dims(), [1, 0, hidden]);
+        assert_eq!(cache.seen(), 3);
     }
     Ok(())
 }

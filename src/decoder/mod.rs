@@ -182,6 +182,13 @@ impl DecoderAttention {
                 x.dims()
             )
         }
+        if !x.dtype().is_float() {
+            candle::bail!(
+                "attention: {what} must be a float tensor, got {:?} {:?}",
+                x.dims(),
+                x.dtype()
+            )
+        }
         Ok((b, l))
     }
 
@@ -370,6 +377,11 @@ impl DecoderAttention {
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let (b, _) = self.check_hidden(x, "hidden_states")?;
+        if let Some(w) = cache.as_ref().and_then(|c| c.window()) {
+            candle::bail!(
+                "attention: cross-attention keeps every encoder key, so it needs a linear KV cache, got a rotating one (window {w})"
+            )
+        }
         let cached = match &cache {
             Some(c) => c.current()?,
             None => None,
@@ -446,6 +458,10 @@ impl DecoderAttention {
 /// weight as applied (already `1 + w` for Gemma, see [`DecoderAttention::new`]).
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let cd = compute_dtype(x.dtype());
+    if x.elem_count() == 0 {
+        // candle's reductions index out of bounds on an empty view at an offset.
+        return Tensor::zeros(x.shape(), cd, x.device());
+    }
     let x = x.to_dtype(cd)?;
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let y = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
