@@ -11,7 +11,12 @@ Run from the repository root:
 
 It writes one safetensors file per (kind, case, dtype) to
 ``weights/<kind>__<case>__<dtypeshort>.safetensors`` in the format
-``candle-attention-fixture/1`` documented in ``weights/README.md``.
+``candle-attention-fixture/1`` documented in ``weights/README.md``, and
+``weights/hf_config_defaults.json``: the per-layer attention type, sliding
+window and rope that transformers derives from config.json files without
+``layer_types``.  To write only that file (no torch fixture is touched):
+
+    /tmp/venv/bin/python scripts/export_fixtures.py --hf-config-defaults-only
 
 Oracle rule: every parameter and input is drawn at random (biases included),
 rounded to the fixture dtype and stored; the expected outputs are computed by
@@ -29,7 +34,11 @@ safetensors container itself, with a sorted header, because
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import copy
+import importlib
+import inspect
 import json
 import math
 import struct
@@ -888,9 +897,12 @@ def hf_stock_deviation(c: HfCase, fx: Fixture) -> float:
 
 
 def hf_window(arch: str, cfg: dict, layer_idx: int) -> int | None:
-    if arch == "mistral":
+    """The window of layer `layer_idx`, from a `config.to_dict()` (where the config class
+    has filled in `layer_types` and, for Qwen, cleared `sliding_window` unless
+    `use_sliding_window`).  Mistral and Phi-3 use `sliding_window` on every layer."""
+    if arch in ("mistral", "phi3"):
         return cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3", "gemma2", "gpt_oss"):
+    if arch in ("qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss"):
         sliding = cfg["layer_types"][layer_idx] == "sliding_attention"
         return cfg["sliding_window"] if sliding else None
     return None
@@ -1055,6 +1067,154 @@ def reference_hf_attention(fx: Fixture) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------
+# hf_config_defaults: what transformers derives from an old config.json
+# --------------------------------------------------------------------------
+
+# Many hub checkpoints predate `layer_types`: their config.json leaves the
+# per-layer attention type (and Gemma 3's per-type rope) for the config class
+# to derive.  Each case is such a config.json (sizes shrunk so the attention
+# modules are cheap to build); the file records, for every layer, what
+# transformers' config class and modeling code make of it.
+HF_DEFAULTS_FILE = OUT_DIR / "hf_config_defaults.json"
+HF_DEFAULTS_FORMAT = "candle-attention-hf-config-defaults/1"
+
+# architecture -> (config class, modeling module, attention class, rotary class)
+HF_DEFAULTS_ARCHS = {
+    "llama": ("LlamaConfig", "llama", "LlamaAttention", "LlamaRotaryEmbedding"),
+    "mistral": ("MistralConfig", "mistral", "MistralAttention", "MistralRotaryEmbedding"),
+    "qwen2": ("Qwen2Config", "qwen2", "Qwen2Attention", "Qwen2RotaryEmbedding"),
+    "qwen3": ("Qwen3Config", "qwen3", "Qwen3Attention", "Qwen3RotaryEmbedding"),
+    "gemma2": ("Gemma2Config", "gemma2", "Gemma2Attention", "Gemma2RotaryEmbedding"),
+    "gemma3_text": ("Gemma3TextConfig", "gemma3", "Gemma3Attention", "Gemma3RotaryEmbedding"),
+    "phi3": ("Phi3Config", "phi3", "Phi3Attention", "Phi3RotaryEmbedding"),
+    "gpt_oss": ("GptOssConfig", "gpt_oss", "GptOssAttention", "GptOssRotaryEmbedding"),
+}
+
+HF_DEFAULTS_SIZES = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 8}
+GPT_OSS_YARN_SCALING = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False, "original_max_position_embeddings": 4096}
+
+# (architecture, name, config.json, num_hidden_layers); most without layer_types
+HF_DEFAULTS_CASES = [
+    ("gemma2", "gemma2_alternating",
+     dict(sliding_window=4096, rope_theta=10000.0, query_pre_attn_scalar=8,
+          attn_logit_softcapping=50.0), 4),
+    ("gemma3_text", "gemma3_pattern3_local_freq_linear",
+     dict(sliding_window=512, sliding_window_pattern=3, rope_theta=1000000.0,
+          rope_local_base_freq=20000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+          query_pre_attn_scalar=8), 6),
+    ("gemma3_text", "gemma3_default_pattern_and_local_freq",
+     dict(sliding_window=512, rope_theta=1000000.0, rope_scaling=None, query_pre_attn_scalar=8), 8),
+    # the old spelling "type" is not read: the full layers keep rope_type "default"
+    ("gemma3_text", "gemma3_scaling_type_key",
+     dict(sliding_window=512, sliding_window_pattern=2, rope_theta=1000000.0,
+          rope_local_base_freq=10000.0, rope_scaling={"type": "linear", "factor": 8.0},
+          query_pre_attn_scalar=8), 2),
+    ("gpt_oss", "gpt_oss_yarn_alternating",
+     dict(sliding_window=128, rope_theta=150000.0, rope_scaling=GPT_OSS_YARN_SCALING,
+          max_position_embeddings=131072, num_local_experts=2, num_experts_per_tok=1), 4),
+    ("qwen2", "qwen2_sliding_from_layer4",
+     dict(use_sliding_window=True, sliding_window=4096, max_window_layers=4,
+          rope_theta=1000000.0), 6),
+    ("qwen2", "qwen2_sliding_default_max_window_layers",
+     dict(use_sliding_window=True, sliding_window=4096, rope_theta=1000000.0), 4),
+    ("qwen2", "qwen2_sliding_off",
+     dict(use_sliding_window=False, sliding_window=4096, max_window_layers=2,
+          rope_theta=1000000.0), 3),
+    ("qwen3", "qwen3_sliding_from_layer3",
+     dict(use_sliding_window=True, sliding_window=4096, max_window_layers=3,
+          rope_theta=1000000.0), 5),
+    ("qwen3", "qwen3_sliding_off_null_window",
+     dict(use_sliding_window=False, sliding_window=None, max_window_layers=28,
+          rope_theta=1000000.0), 3),
+    ("phi3", "phi3_sliding_every_layer",
+     dict(sliding_window=2047, rope_theta=10000.0, rope_scaling=None), 2),
+    ("mistral", "mistral_sliding_every_layer",
+     dict(sliding_window=4096, rope_theta=10000.0), 2),
+    ("mistral", "mistral_null_window",
+     dict(sliding_window=None, rope_theta=1000000.0), 2),
+    # configs written by transformers 4.5x: layer_types, but the older rope keys
+    ("gemma3_text", "gemma3_with_layer_types_old_rope_keys",
+     dict(sliding_window=512, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+          rope_scaling=None, query_pre_attn_scalar=8,
+          layer_types=["sliding_attention", "sliding_attention", "full_attention"]), 3),
+    # layer_types that the modeling code overrides or ignores
+    ("qwen2", "qwen2_with_layer_types_sliding_off",
+     dict(use_sliding_window=False, sliding_window=4096, max_window_layers=0,
+          layer_types=["sliding_attention", "sliding_attention"], rope_theta=1000000.0), 2),
+    ("mistral", "mistral_with_layer_types",
+     dict(sliding_window=4096, layer_types=["full_attention", "sliding_attention"],
+          rope_theta=1000000.0), 2),
+    ("llama", "llama3_rope_scaling",
+     dict(rope_theta=500000.0, max_position_embeddings=131072,
+          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), 2),
+]
+
+
+def hf_modeling_window(attn: nn.Module, config) -> int | None:
+    """The window the attention module passes to the attention function: its own
+    `sliding_window` attribute (set from the layer type), else the config's
+    `sliding_window` when forward passes that (Mistral, Phi-3), else none."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    src = inspect.getsource(type(attn).forward)
+    if 'sliding_window=getattr(self.config, "sliding_window", None)' in src:
+        return config.sliding_window
+    assert "sliding_window" not in src, type(attn).__name__
+    return None
+
+
+def hf_config_defaults_case(arch: str, name: str, config_json: dict, layers: int) -> dict:
+    config_cls, module, attn_cls, rotary_cls = HF_DEFAULTS_ARCHS[arch]
+    config_json = {"model_type": arch, **HF_DEFAULTS_SIZES, "num_hidden_layers": layers,
+                   **config_json}
+    assert "rope_parameters" not in config_json, "old-style configs only"
+    # from_dict modifies the dicts it is given (it adds rope_theta to rope_scaling)
+    config = hf_class(config_cls).from_dict(copy.deepcopy(config_json))
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    rotary = getattr(modeling, rotary_cls)(config)
+    as_dict = json.loads(json.dumps(config.to_dict(), default=str))
+    layer_types = getattr(config, "layer_types", None)
+    rope = config.rope_parameters
+    out = []
+    for i in range(layers):
+        layer_type = layer_types[i] if layer_types is not None else None
+        nested = isinstance(rotary.rope_type, dict)       # Gemma 3: one rope per layer type
+        params = dict(rope[layer_type] if nested else rope)
+        assert params["rope_type"] == (rotary.rope_type[layer_type] if nested else rotary.rope_type)
+        window = hf_modeling_window(getattr(modeling, attn_cls)(config, i), config)
+        assert window == hf_window(arch, as_dict, i), (name, i, window)
+        out.append({"layer_type": layer_type, "sliding_window": window,
+                    "rope": dict(sorted(params.items()))})
+    return {"architecture": arch, "name": name, "config": config_json, "layers": out}
+
+
+def export_hf_config_defaults() -> Path:
+    cases = [hf_config_defaults_case(*c) for c in HF_DEFAULTS_CASES]
+    doc = {"format": HF_DEFAULTS_FORMAT, "transformers_version": transformers.__version__,
+           "cases": cases}
+    # one line per case field and per layer: small, and a diff shows what moved
+    lines = [f'{{"format": {json.dumps(doc["format"])},',
+             f' "transformers_version": {json.dumps(doc["transformers_version"])},',
+             ' "cases": [']
+    for n, c in enumerate(cases):
+        lines.append(f'  {{"architecture": {json.dumps(c["architecture"])}, '
+                     f'"name": {json.dumps(c["name"])},')
+        lines.append(f'   "config": {json.dumps(c["config"])},')
+        lines.append('   "layers": [')
+        lines += [f'    {json.dumps(layer)}' + ("," if j + 1 < len(c["layers"]) else "")
+                  for j, layer in enumerate(c["layers"])]
+        lines.append("   ]}" + ("," if n + 1 < len(cases) else ""))
+    lines.append(" ]}")
+    text = "\n".join(lines) + "\n"
+    assert json.loads(text) == json.loads(json.dumps(doc)), "the hand-laid-out JSON is wrong"
+    HF_DEFAULTS_FILE.write_text(text)
+    return HF_DEFAULTS_FILE
+
+
+# --------------------------------------------------------------------------
 # Writing and checking the files
 # --------------------------------------------------------------------------
 
@@ -1111,10 +1271,19 @@ def verify(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-config-defaults-only", action="store_true",
+                        help=f"write only {HF_DEFAULTS_FILE.name}; leave the fixtures alone")
+    args = parser.parse_args()
     assert sys.byteorder == "little"
     torch.set_num_threads(1)
     torch.backends.mha.set_fastpath_enabled(False)
     OUT_DIR.mkdir(exist_ok=True)
+    defaults = export_hf_config_defaults()
+    print(f"transformers {transformers.__version__}: wrote {defaults} "
+          f"({len(HF_DEFAULTS_CASES)} cases, {defaults.stat().st_size} bytes)")
+    if args.hf_config_defaults_only:
+        return
     for kind in KINDS:
         for stale in OUT_DIR.glob(f"{kind}__*.safetensors"):
             stale.unlink()

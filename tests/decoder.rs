@@ -609,3 +609,198 @@ fn packed_and_head_interleaved_layouts_equal_separate_projections() -> Result<()
     assert!(max_diff(&got, &want)? < 1e-5);
     Ok(())
 }
+
+/// How `rope` differs from what transformers' rope init function reads from `want` (one
+/// layer's effective `rope_parameters`): theta, the rope type, and that type's parameters.
+fn rope_differences(want: &serde_json::Value, rope: Option<&RopeConfig>) -> Vec<String> {
+    let Some(rope) = rope else {
+        return vec!["no rope".into()];
+    };
+    let f = |key: &str| want.get(key).and_then(serde_json::Value::as_f64);
+    let mut out = Vec::new();
+    let mut same = |key: &str, got: Option<f64>, want: Option<f64>| {
+        if want.is_some() && got != want {
+            out.push(format!("{key}: got {got:?}, transformers {want:?}"));
+        }
+    };
+    same("rope_theta", Some(rope.theta), f("rope_theta"));
+    if let Some(p) = f("partial_rotary_factor") {
+        let want_dim = (rope.head_dim as f64 * p) as usize;
+        same("rotary_dim", Some(rope.rotary_dim as f64), Some(want_dim as f64));
+    }
+    let kind = want["rope_type"].as_str().unwrap_or("<missing>");
+    match (kind, &rope.scaling) {
+        ("default", RopeScaling::Default) => {}
+        ("linear", RopeScaling::Linear { factor }) => same("factor", Some(*factor), f("factor")),
+        (
+            "llama3",
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            },
+        ) => {
+            same("factor", Some(*factor), f("factor"));
+            same("low_freq_factor", Some(*low_freq_factor), f("low_freq_factor"));
+            same("high_freq_factor", Some(*high_freq_factor), f("high_freq_factor"));
+            same(
+                "original_max_position_embeddings",
+                Some(*original_max_position_embeddings),
+                f("original_max_position_embeddings"),
+            );
+        }
+        (
+            "yarn",
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                mscale,
+                mscale_all_dim,
+                truncate,
+            },
+        ) => {
+            same("factor", Some(*factor), f("factor"));
+            same(
+                "original_max_position_embeddings",
+                Some(*original_max_position_embeddings),
+                f("original_max_position_embeddings"),
+            );
+            same("beta_fast", Some(*beta_fast), f("beta_fast"));
+            same("beta_slow", Some(*beta_slow), f("beta_slow"));
+            same("attention_factor", *attention_factor, f("attention_factor"));
+            same("mscale", *mscale, f("mscale"));
+            same("mscale_all_dim", *mscale_all_dim, f("mscale_all_dim"));
+            let want_truncate = want
+                .get("truncate")
+                .and_then(serde_json::Value::as_bool)
+                .unwrap_or(true);
+            if *truncate != want_truncate {
+                out.push(format!("truncate: got {truncate}, transformers {want_truncate}"));
+            }
+        }
+        (kind, got) => out.push(format!("rope_type: got {got:?}, transformers '{kind}'")),
+    }
+    out
+}
+
+/// `weights/hf_config_defaults.json` is written by `scripts/export_fixtures.py` from
+/// transformers' config classes and attention modules: for config.json files as hub
+/// checkpoints have them (most without `layer_types`), each layer's sliding window and rope
+/// as transformers uses them. `from_hf` must give the same for every layer.
+#[test]
+fn hf_configs_without_layer_types_give_each_layer_what_transformers_derives() -> Result<()> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/hf_config_defaults.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let doc: serde_json::Value = serde_json::from_str(&text).expect("hf_config_defaults.json is JSON");
+    assert_eq!(doc["format"], "candle-attention-hf-config-defaults/1");
+    let cases = doc["cases"].as_array().expect("a list of cases");
+    assert!(cases.len() >= 10, "{} cases", cases.len());
+    let mut failures = Vec::new();
+    let mut layers_checked = 0;
+    for case in cases {
+        let (arch, name) = (
+            case["architecture"].as_str().unwrap(),
+            case["name"].as_str().unwrap(),
+        );
+        let cfg = HfConfig::from_json(&case["config"].to_string())?;
+        for (i, want) in case["layers"].as_array().unwrap().iter().enumerate() {
+            layers_checked += 1;
+            let got = match DecoderAttentionConfig::from_hf(arch, &cfg, i, false) {
+                Ok(got) => got,
+                Err(e) => {
+                    failures.push(format!("{name} layer {i}: error {e}"));
+                    continue;
+                }
+            };
+            let want_window = want["sliding_window"].as_u64().map(|w| w as usize);
+            if got.sliding_window != want_window {
+                failures.push(format!(
+                    "{name} layer {i} ({}): sliding_window {:?}, transformers {want_window:?}",
+                    want["layer_type"], got.sliding_window
+                ));
+            }
+            for d in rope_differences(&want["rope"], got.rope.as_ref()) {
+                failures.push(format!("{name} layer {i} ({}): {d}", want["layer_type"]));
+            }
+        }
+    }
+    assert!(layers_checked >= 40, "{layers_checked} layers");
+    assert!(
+        failures.is_empty(),
+        "{} of {layers_checked} layers differ from transformers {}:\n{}",
+        failures.len(),
+        doc["transformers_version"],
+        failures.join("\n")
+    );
+    Ok(())
+}
+
+/// Values for which transformers divides by zero or scales by infinity are errors that name
+/// the architecture, the key and the value.
+#[test]
+fn gemma_sliding_window_pattern_and_query_pre_attn_scalar_are_checked() -> Result<()> {
+    let gemma = |extra: &str| {
+        hf(&format!(
+            r#"{{"hidden_size": 32, "num_attention_heads": 4, "head_dim": 8, "rope_theta": 1e6,
+                "sliding_window": 512, "query_pre_attn_scalar": 8{extra}}}"#
+        ))
+    };
+    let msg = err_msg(DecoderAttentionConfig::from_hf(
+        "gemma3_text",
+        &gemma(r#", "sliding_window_pattern": 0"#),
+        0,
+        false,
+    ));
+    assert!(
+        msg.contains("gemma3_text") && msg.contains("sliding_window_pattern"),
+        "{msg}"
+    );
+    let one = DecoderAttentionConfig::from_hf(
+        "gemma3_text",
+        &gemma(r#", "sliding_window_pattern": 1"#),
+        0,
+        false,
+    )?;
+    assert_eq!(one.sliding_window, None, "a pattern of 1 makes every layer full");
+    // transformers would silently ignore a flat rope_parameters for Gemma 3; we refuse it.
+    let flat = r#", "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}"#;
+    let msg = err_msg(DecoderAttentionConfig::from_hf(
+        "gemma3_text",
+        &gemma(flat),
+        0,
+        false,
+    ));
+    assert!(
+        msg.contains("gemma3_text") && msg.contains("rope_parameters"),
+        "{msg}"
+    );
+    for arch in ["gemma2", "gemma3_text"] {
+        for bad in ["0", "-4.0", "0.0"] {
+            let mut cfg = gemma("");
+            cfg.query_pre_attn_scalar = Some(bad.parse().unwrap());
+            let msg = err_msg(DecoderAttentionConfig::from_hf(arch, &cfg, 0, false));
+            assert!(
+                msg.contains(arch)
+                    && msg.contains("query_pre_attn_scalar")
+                    && msg.contains(bad.trim_end_matches(".0")),
+                "{arch} {bad}: {msg}"
+            );
+        }
+        for bad in [f64::NAN, f64::INFINITY] {
+            let mut cfg = gemma("");
+            cfg.query_pre_attn_scalar = Some(bad);
+            let msg = err_msg(DecoderAttentionConfig::from_hf(arch, &cfg, 0, false));
+            assert!(
+                msg.contains("query_pre_attn_scalar") && msg.contains(&format!("{bad}")),
+                "{arch} {bad}: {msg}"
+            );
+        }
+        let cfg = DecoderAttentionConfig::from_hf(arch, &gemma(""), 0, false)?;
+        assert_eq!(cfg.scale, 1.0 / 8f64.sqrt());
+    }
+    Ok(())
+}

@@ -137,14 +137,20 @@ pub struct HfConfig {
     pub num_key_value_heads: Option<usize>,
     /// `head_dim` in `config.json`.
     pub head_dim: Option<usize>,
-    /// `sliding_window` in `config.json`.
+    /// `sliding_window` in `config.json`: every layer's window for Mistral and Phi-3, the
+    /// `"sliding_attention"` layers' window for Gemma 2/3, gpt-oss and Qwen2/3.
     pub sliding_window: Option<usize>,
-    /// `use_sliding_window` in `config.json`.
+    /// `use_sliding_window` in `config.json` (Qwen2/3): without it, `sliding_window` is ignored.
     pub use_sliding_window: Option<bool>,
-    /// `max_window_layers` in `config.json`.
+    /// `max_window_layers` in `config.json` (Qwen2/3, default 28): without `layer_types`, the
+    /// layers from this index on are sliding.
     pub max_window_layers: Option<usize>,
-    /// `layer_types` in `config.json`.
+    /// `layer_types` in `config.json` (Gemma 2/3, gpt-oss, Qwen2/3). When it is absent,
+    /// [`DecoderAttentionConfig::from_hf`] derives it as transformers' config class does.
     pub layer_types: Option<Vec<String>>,
+    /// `sliding_window_pattern` in `config.json` (Gemma 3, default 6): without `layer_types`,
+    /// every `sliding_window_pattern`-th layer is full, the others sliding.
+    pub sliding_window_pattern: Option<usize>,
     /// `attention_bias` in `config.json`.
     pub attention_bias: Option<bool>,
     /// `partial_rotary_factor` in `config.json`.
@@ -159,6 +165,9 @@ pub struct HfConfig {
     pub rope_scaling: Option<Value>,
     /// transformers 5: `{"rope_type", "rope_theta", "factor", …}`, possibly one per layer type.
     pub rope_parameters: Option<Value>,
+    /// `rope_local_base_freq` in `config.json` (Gemma 3, default 10000): the theta of the
+    /// sliding layers' plain rope, when `rope_parameters` has no `"sliding_attention"` entry.
+    pub rope_local_base_freq: Option<f64>,
     /// `max_position_embeddings` in `config.json`.
     pub max_position_embeddings: Option<usize>,
     /// `n_positions` in `config.json`.
@@ -203,6 +212,9 @@ fn num(v: &Value, key: &str) -> Option<f64> {
     v.get(key).and_then(Value::as_f64)
 }
 
+const SLIDING: &str = "sliding_attention";
+const FULL: &str = "full_attention";
+
 impl HfConfig {
     /// Parses the JSON text of a `config.json`.
     pub fn from_json(text: &str) -> Result<Self> {
@@ -228,6 +240,49 @@ impl HfConfig {
             out.entry("rope_theta").or_insert(Value::from(t));
         }
         Value::Object(out)
+    }
+
+    /// Gemma 3's rope for `layer_type`, as `Gemma3TextConfig.convert_rope_params_to_dict`
+    /// builds it (transformers 5.25): `rope_parameters[layer_type]` when config.json nests
+    /// one, else the default rope; `rope_scaling` updates the full layers' only; a missing
+    /// theta is `rope_theta` on full layers and `rope_local_base_freq` (default 10000) on
+    /// sliding ones.
+    fn gemma3_rope_params(&self, arch: &str, layer_type: &str) -> Result<Value> {
+        let mut out = serde_json::Map::new();
+        match &self.rope_parameters {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(rp)) if rp.contains_key(SLIDING) || rp.contains_key(FULL) => {
+                if let Some(Value::Object(inner)) = rp.get(layer_type) {
+                    out.extend(inner.clone());
+                }
+            }
+            Some(Value::Object(rp)) if rp.is_empty() => {}
+            Some(_) => candle::bail!(
+                "{arch} config: rope_parameters must be nested by layer type ('{SLIDING}', '{FULL}'); \
+                 transformers ignores a flat one"
+            ),
+        }
+        out.entry("rope_type").or_insert(Value::from("default"));
+        if layer_type == FULL {
+            if let Some(Value::Object(rs)) = &self.rope_scaling {
+                out.extend(rs.clone());
+            }
+        }
+        let theta = if layer_type == SLIDING {
+            Some(self.rope_local_base_freq.unwrap_or(10_000.0))
+        } else {
+            self.rope_theta.or(self.rotary_emb_base)
+        };
+        if let Some(t) = theta {
+            out.entry("rope_theta").or_insert(Value::from(t));
+        }
+        Ok(Value::Object(out))
+    }
+
+    /// Qwen2/3's `sliding_window`: their config class drops it unless `use_sliding_window`.
+    fn qwen_window(&self) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| self.use_sliding_window == Some(true))
     }
 }
 
@@ -282,23 +337,12 @@ impl DecoderAttentionConfig {
         if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             candle::bail!("{arch} config: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         }
-        let layer_type = cfg.layer_types.as_ref().map(|t| {
-            t.get(layer_idx).map(String::as_str).ok_or_else(|| {
-                candle::Error::Msg(format!(
-                    "{arch} config: layer_types has no entry for layer {layer_idx}"
-                ))
-            })
-        });
-        let layer_type = layer_type.transpose()?;
-        let sliding = match (layer_type, arch) {
-            (Some(t), _) => (t == "sliding_attention").then_some(()).and(cfg.sliding_window),
-            (None, "mistral") => cfg.sliding_window,
-            (None, "qwen2") => {
-                let from = cfg.max_window_layers.unwrap_or(0);
-                (cfg.use_sliding_window == Some(true) && layer_idx >= from)
-                    .then_some(())
-                    .and(cfg.sliding_window)
-            }
+        let layer_type = Self::layer_type(arch, cfg, layer_idx)?;
+        let sliding = match (arch, layer_type) {
+            // Their modeling code passes `config.sliding_window` to every layer.
+            ("mistral" | "phi3", _) => cfg.sliding_window,
+            ("qwen2" | "qwen3", Some(SLIDING)) => cfg.qwen_window(),
+            (_, Some(SLIDING)) => cfg.sliding_window,
             _ => None,
         };
         if sliding == Some(0) {
@@ -328,6 +372,9 @@ impl DecoderAttentionConfig {
             let s = cfg
                 .query_pre_attn_scalar
                 .ok_or_else(|| missing(arch, "query_pre_attn_scalar"))?;
+            if !(s.is_finite() && s > 0.0) {
+                candle::bail!("{arch} config: query_pre_attn_scalar must be finite and positive, got {s}")
+            }
             Ok(1.0 / s.sqrt())
         };
         let rope = |style: RopeStyle| Self::rope_from_hf(arch, cfg, head_dim, layer_type, style).map(Some);
@@ -423,6 +470,37 @@ impl DecoderAttentionConfig {
         Ok(out)
     }
 
+    /// The type of layer `layer_idx` for the architectures whose modeling code has layer
+    /// types (Gemma 2/3, gpt-oss, Qwen2/3; `None` for the others, which ignore
+    /// `layer_types`): `layer_types[layer_idx]`, or when config.json has no `layer_types`,
+    /// what the config class's `__init__` derives (transformers 5.25).
+    fn layer_type<'a>(arch: &str, cfg: &'a HfConfig, layer_idx: usize) -> Result<Option<&'a str>> {
+        if !matches!(arch, "gemma2" | "gemma3_text" | "gpt_oss" | "qwen2" | "qwen3") {
+            return Ok(None);
+        }
+        if let Some(types) = &cfg.layer_types {
+            return match types.get(layer_idx) {
+                Some(t) => Ok(Some(t.as_str())),
+                None => candle::bail!("{arch} config: layer_types has no entry for layer {layer_idx}"),
+            };
+        }
+        let sliding = match arch {
+            // Gemma2Config, GptOssConfig: sliding, full, sliding, full, …
+            "gemma2" | "gpt_oss" => !(layer_idx + 1).is_multiple_of(2),
+            // Gemma3TextConfig: every `sliding_window_pattern`-th layer is full.
+            "gemma3_text" => {
+                let pattern = cfg.sliding_window_pattern.unwrap_or(6);
+                if pattern == 0 {
+                    candle::bail!("{arch} config: sliding_window_pattern must be at least 1, got 0")
+                }
+                !(layer_idx + 1).is_multiple_of(pattern)
+            }
+            // Qwen2Config, Qwen3Config: sliding from `max_window_layers` on, if a window is used.
+            _ => cfg.qwen_window().is_some() && layer_idx >= cfg.max_window_layers.unwrap_or(28),
+        };
+        Ok(Some(if sliding { SLIDING } else { FULL }))
+    }
+
     fn rope_from_hf(
         arch: &str,
         cfg: &HfConfig,
@@ -430,7 +508,10 @@ impl DecoderAttentionConfig {
         layer_type: Option<&str>,
         style: RopeStyle,
     ) -> Result<RopeConfig> {
-        let p = cfg.rope_params(layer_type);
+        let p = match (arch, layer_type) {
+            ("gemma3_text", Some(t)) => cfg.gemma3_rope_params(arch, t)?,
+            _ => cfg.rope_params(layer_type),
+        };
         let theta = num(&p, "rope_theta").ok_or_else(|| missing(arch, "rope_theta"))?;
         // Only GPT-NeoX's and Phi-3's modeling code rotates part of the head. The others'
         // (Llama, Mistral, Qwen2/3, Gemma 2/3, gpt-oss) compute the default rope over the
