@@ -1146,6 +1146,8 @@ HF_DEFAULTS_CASES = [
     ("mistral", "mistral_with_layer_types",
      dict(sliding_window=4096, layer_types=["full_attention", "sliding_attention"],
           rope_theta=1000000.0), 2),
+    ("gpt_oss", "gpt_oss_no_rope_scaling",
+     dict(sliding_window=128, rope_theta=150000.0), 2),
     ("llama", "llama3_rope_scaling",
      dict(rope_theta=500000.0, max_position_embeddings=131072,
           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -804,3 +804,24 @@ fn gemma_sliding_window_pattern_and_query_pre_attn_scalar_are_checked() -> Resul
     }
     Ok(())
 }
+
+/// transformers 5.25's `Gemma3Attention` keeps `attn_logit_softcapping` but never passes it
+/// to its attention function, where `Gemma2Attention` does; a randomised comparison with
+/// transformers found the crate capping Gemma 3's logits. So only Gemma 2 applies it.
+#[test]
+fn attn_logit_softcapping_applies_to_gemma2_only() -> Result<()> {
+    let cfg = hf(
+        r#"{"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "rope_theta": 10000.0, "query_pre_attn_scalar": 8,
+        "attn_logit_softcapping": 50.0, "sliding_window": 4}"#,
+    );
+    assert_eq!(
+        DecoderAttentionConfig::from_hf("gemma2", &cfg, 0, false)?.softcap,
+        Some(50.0)
+    );
+    assert_eq!(
+        DecoderAttentionConfig::from_hf("gemma3_text", &cfg, 0, false)?.softcap,
+        None
+    );
+    Ok(())
+}

@@ -408,7 +408,8 @@ impl DecoderAttentionConfig {
                 out.rope = rope(RopeStyle::HalfSplit)?;
                 if arch == "gemma3_text" {
                     out.scale = gemma_scale()?;
-                    out.softcap = cfg.attn_logit_softcapping;
+                    // `Gemma3Attention` keeps `attn_logit_softcapping` but never passes it to
+                    // the attention function (transformers 5.25), so it is not applied.
                 }
             }
             "gemma2" => {
@@ -511,6 +512,25 @@ impl DecoderAttentionConfig {
         let p = match (arch, layer_type) {
             ("gemma3_text", Some(t)) => cfg.gemma3_rope_params(arch, t)?,
             _ => cfg.rope_params(layer_type),
+        };
+        let named = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+        let p = if arch == "gpt_oss" && !named(&cfg.rope_scaling) && !named(&cfg.rope_parameters) {
+            // `GptOssConfig.__post_init__` (transformers 5.25): yarn ×32 when config.json
+            // names no rope.
+            let mut m = p.as_object().cloned().unwrap_or_default();
+            for (k, v) in [
+                ("rope_type", Value::from("yarn")),
+                ("factor", Value::from(32.0)),
+                ("beta_fast", Value::from(32.0)),
+                ("beta_slow", Value::from(1.0)),
+                ("truncate", Value::from(false)),
+                ("original_max_position_embeddings", Value::from(4096)),
+            ] {
+                m.entry(k).or_insert(v);
+            }
+            Value::Object(m)
+        } else {
+            p
         };
         let theta = num(&p, "rope_theta").ok_or_else(|| missing(arch, "rope_theta"))?;
         // Only GPT-NeoX's and Phi-3's modeling code rotates part of the head. The others'
