@@ -18,6 +18,12 @@ window and rope that transformers derives from config.json files without
 
     /tmp/venv/bin/python scripts/export_fixtures.py --hf-config-defaults-only
 
+To (re)write only some ``hf_attention`` cases (every other file, that JSON file
+included, is left alone; e.g. to add a case without regenerating the others
+under a newer transformers):
+
+    /tmp/venv/bin/python scripts/export_fixtures.py --hf-case NAME [--hf-case NAME ...]
+
 Oracle rule: every parameter and input is drawn at random (biases included),
 rounded to the fixture dtype and stored; the expected outputs are computed by
 PyTorch in float64 from those rounded values, then cast to the fixture dtype
@@ -541,6 +547,8 @@ HF_ARCHS = {
     "qwen2": HfArch("Qwen2Config", "Qwen2Model", "layers.{i}.self_attn"),
     "qwen3": HfArch("Qwen3Config", "Qwen3Model", "layers.{i}.self_attn"),
     "gemma2": HfArch("Gemma2Config", "Gemma2Model", "layers.{i}.self_attn"),
+    "gemma3_text": HfArch("Gemma3TextConfig", "Gemma3TextModel", "layers.{i}.self_attn"),
+    "phi3": HfArch("Phi3Config", "Phi3Model", "layers.{i}.self_attn"),
     "gpt2": HfArch("GPT2Config", "GPT2Model", "h.{i}.attn"),
     "gpt_neox": HfArch("GPTNeoXConfig", "GPTNeoXModel", "layers.{i}.attention"),
     "bloom": HfArch("BloomConfig", "BloomModel", "h.{i}.self_attention", takes_position_ids=False),
@@ -569,6 +577,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 4.0, "low_f
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 32.0,
              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
+# Gemma 3: one rope per layer type (the sliding layers' theta differs from the full layers')
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+               "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}
 
 HF_CASES = [
     HfCase("llama", "llama_gqa_llama3_leftpad",
@@ -609,6 +620,32 @@ HF_CASES = [
                 sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
            layer_idx=1, B=2, L=5, steps=4, left_pad=(0, 1), param_std=0.3),
+    # Gemma 3 sets attn_logit_softcapping in its config, but transformers' Gemma3Attention
+    # never passes it to the attention function: these cases set it to pin that it is not applied.
+    HfCase("gemma3_text", "gemma3_text_sliding_qk_norm_softcap_unused",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=4,
+                query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                rope_parameters=GEMMA3_ROPE),
+           B=2, L=6, steps=5, left_pad=(2, 0), all_dtypes=True, param_std=0.3),
+    HfCase("gemma3_text", "gemma3_text_full_linear_rope_layer1",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                rope_parameters=GEMMA3_ROPE),
+           layer_idx=1, B=2, L=5, steps=4, left_pad=(0, 1), param_std=0.3),
+    HfCase("phi3", "phi3_packed_qkv_partial_sliding_leftpad",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                sliding_window=3,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                 "partial_rotary_factor": 0.75}),
+           B=2, L=6, steps=5, left_pad=(0, 2), all_dtypes=True),
+    HfCase("phi3", "phi3_no_window_layer1",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                sliding_window=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                 "partial_rotary_factor": 0.5}),
+           layer_idx=1, B=1, L=5, steps=4),
     HfCase("gpt2", "gpt2_conv1d_leftpad",
            dict(n_embd=32, n_head=4, n_layer=1, n_positions=64),
            B=2, L=6, steps=4, left_pad=(2, 0), all_dtypes=True),
@@ -654,6 +691,8 @@ HF_CASES = [
 HF_COMMON_CONFIG = {"vocab_size": 16, "attn_implementation": "eager"}
 HF_ARCH_CONFIG = {
     "gpt2": {"n_inner": 16, "bos_token_id": 0, "eos_token_id": 0},
+    # Phi-3's default special token ids (32000, ...) lie outside the tiny vocabulary
+    "phi3": {"intermediate_size": 16, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0},
     "bloom": {},
     # the MoE's default grouped_mm kernel has no float64;
     # YaRN wants max_position_embeddings = factor * original_max_position_embeddings
@@ -846,6 +885,12 @@ def build_hf_attention(c: HfCase, dtype: torch.dtype) -> Fixture:
     # 2. An independent float64 implementation of the contract, from the fixture's contents only.
     ref = reference_hf_attention(fx)
     torch.testing.assert_close(full[valid], ref[valid], rtol=1e-10, atol=1e-12)
+    #    A Gemma 3 case that sets attn_logit_softcapping pins that it is not applied:
+    #    applying it must move the output well beyond the loosest (bf16) tolerance.
+    if c.arch == "gemma3_text" and config.get("attn_logit_softcapping") is not None:
+        capped = reference_hf_attention(fx, gemma3_softcap=True)
+        moved = ((capped - ref)[valid].abs().max() / ref[valid].abs().max()).item()
+        assert moved > 0.05, f"hf/{c.name}: the softcap would change the output by {moved:.1e} only"
     # 3. The cache is the kind the README describes.
     hf_check_cache(c, run, cache)
     return fx
@@ -967,10 +1012,13 @@ def ref_alibi_slopes(n: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=F64)
 
 
-def reference_hf_attention(fx: Fixture) -> torch.Tensor:
+def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False) -> torch.Tensor:
     """The attention output for the whole sequence (prefill, then every step),
     computed in float64 without a cache from the fixture's config, call,
-    params and inputs only, exactly as the README describes."""
+    params and inputs only, exactly as the README describes.
+
+    `gemma3_softcap=True` applies a Gemma 3 config's `attn_logit_softcapping`,
+    which transformers does not: the counterfactual that shows a case pins that."""
     cfg = json.loads(json.dumps(fx.config))
     arch, li = fx.metadata["architecture"], fx.call["layer_idx"]
     P = fx.params
@@ -987,21 +1035,33 @@ def reference_hf_attention(fx: Fixture) -> torch.Tensor:
         return t.view(B, t.shape[1], n, -1).transpose(1, 2)
 
     scale, softcap, sinks, bias, window, causal = None, None, None, 0.0, None, True
-    if arch in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss"):
+    if arch in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "phi3"):
         H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         D = cfg.get("head_dim") or E // H
-        q = heads(lin(x, "q_proj.weight", "q_proj.bias"), H)
-        k = heads(lin(x, "k_proj.weight", "k_proj.bias"), Hkv)
-        v = heads(lin(x, "v_proj.weight", "v_proj.bias"), Hkv)
-        if arch == "qwen3":
+        if arch == "phi3":                                     # packed [q | k | v], no bias
+            q, k, v = lin(x, "qkv_proj.weight").split([H * D, Hkv * D, Hkv * D], -1)
+            q, k, v = heads(q, H), heads(k, Hkv), heads(v, Hkv)
+        else:
+            q = heads(lin(x, "q_proj.weight", "q_proj.bias"), H)
+            k = heads(lin(x, "k_proj.weight", "k_proj.bias"), Hkv)
+            v = heads(lin(x, "v_proj.weight", "v_proj.bias"), Hkv)
+        if arch in ("qwen3", "gemma3_text"):
             eps = cfg["rms_norm_eps"]
-            rms = lambda t, w: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * P[w]  # noqa
+            unit = 1.0 if arch == "gemma3_text" else 0.0       # Gemma's RMSNorm scales by 1 + w
+            rms = lambda t, w: (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)  # noqa
+                                * (unit + P[w]))
             q, k = rms(q, "q_norm.weight"), rms(k, "k_norm.weight")
-        inv, att = ref_inv_freq(cfg, D)
+        rope = cfg
+        if arch == "gemma3_text":                              # one rope per layer type
+            rope = {"rope_parameters": cfg["rope_parameters"][cfg["layer_types"][li]]}
+        inv, att = ref_inv_freq(rope, D)
         q, k = ref_rope(q, pos, inv, att), ref_rope(k, pos, inv, att)
         k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-        scale = (cfg["query_pre_attn_scalar"] if arch == "gemma2" else D) ** -0.5
-        softcap = cfg.get("attn_logit_softcapping") if arch == "gemma2" else None
+        gemma = arch in ("gemma2", "gemma3_text")
+        scale = (cfg["query_pre_attn_scalar"] if gemma else D) ** -0.5
+        # Gemma 3's attention never passes attn_logit_softcapping on (transformers 5.x)
+        if arch == "gemma2" or (arch == "gemma3_text" and gemma3_softcap):
+            softcap = cfg.get("attn_logit_softcapping")
         sinks = P["sinks"] if arch == "gpt_oss" else None
         window = hf_window(arch, cfg, li)
         out_w, out_b = "o_proj.weight", "o_proj.bias"
@@ -1272,15 +1332,58 @@ def verify(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str
                                want.contiguous().reshape(-1).view(torch.uint8)), (path, name)
 
 
+def export_hf_case(case: HfCase, written: list[Path], deviations: dict[str, float]):
+    for short, dtype in DTYPES.items():
+        if short in ("f16", "bf16") and not case.all_dtypes:
+            continue
+        fx = build_hf_attention(case, dtype)
+        written.append(save_fixture(fx, short, dtype))
+        if short == "f64":
+            deviations[case.name] = hf_stock_deviation(case, fx)
+
+
+def print_hf_deviations(deviations: dict[str, float]):
+    print("hf_attention: max |stock HF (float32 rotary/RMSNorm/softmax) - float64 oracle|"
+          " / max |oracle|, f64 fixtures:")
+    for name, dev in deviations.items():
+        print(f"  {name:<40} {dev:.1e}")
+    assert max(deviations.values()) < 1e-4, "the float64 promotion changed more than rounding"
+
+
+def export_hf_cases(cases: list[HfCase]):
+    """--hf-case: rewrite only these cases' files; the budget counts every hf_attention file."""
+    for case in cases:
+        for stale in OUT_DIR.glob(f"hf_attention__{case.name}__*.safetensors"):
+            stale.unlink()
+    written, deviations = [], {}
+    for case in cases:
+        export_hf_case(case, written, deviations)
+    hf_total = sum(p.stat().st_size for p in OUT_DIR.glob("hf_attention__*.safetensors"))
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}: "
+          f"wrote {len(written)} hf_attention fixtures to {OUT_DIR}")
+    for p in written:
+        print(f"  {p.name:<64} {p.stat().st_size} bytes")
+    print(f"all hf_attention fixtures: {hf_total} bytes ({hf_total / 1024:.1f} KiB)")
+    print_hf_deviations(deviations)
+    assert hf_total <= MAX_TOTAL_BYTES, "hf_attention fixtures exceed the size budget"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-config-defaults-only", action="store_true",
                         help=f"write only {HF_DEFAULTS_FILE.name}; leave the fixtures alone")
+    parser.add_argument("--hf-case", action="append", metavar="NAME",
+                        choices=[c.name for c in HF_CASES],
+                        help="write only this hf_attention case (repeatable); leave every other "
+                             "file alone")
     args = parser.parse_args()
     assert sys.byteorder == "little"
     torch.set_num_threads(1)
     torch.backends.mha.set_fastpath_enabled(False)
     OUT_DIR.mkdir(exist_ok=True)
+    if args.hf_case:
+        export_hf_cases([c for c in HF_CASES if c.name in args.hf_case])
+        return
     defaults = export_hf_config_defaults()
     print(f"transformers {transformers.__version__}: wrote {defaults} "
           f"({len(HF_DEFAULTS_CASES)} cases, {defaults.stat().st_size} bytes)")
@@ -1300,13 +1403,7 @@ def main():
 
     hf_written, deviations = [], {}
     for case in HF_CASES:
-        for short, dtype in DTYPES.items():
-            if short in ("f16", "bf16") and not case.all_dtypes:
-                continue
-            fx = build_hf_attention(case, dtype)
-            hf_written.append(save_fixture(fx, short, dtype))
-            if short == "f64":
-                deviations[case.name] = hf_stock_deviation(case, fx)
+        export_hf_case(case, hf_written, deviations)
 
     counts = Counter((p.stem.split("__")[0], p.stem.split("__")[2]) for p in written + hf_written)
     total = sum(p.stat().st_size for p in written)
@@ -1318,13 +1415,9 @@ def main():
         print(f"  {kind:<20} {row}")
     print(f"total {total + hf_total} bytes ({(total + hf_total) / 1024:.1f} KiB), "
           f"of which hf_attention {hf_total} bytes ({hf_total / 1024:.1f} KiB)")
-    print("hf_attention: max |stock HF (float32 rotary/RMSNorm/softmax) - float64 oracle|"
-          " / max |oracle|, f64 fixtures:")
-    for name, dev in deviations.items():
-        print(f"  {name:<40} {dev:.1e}")
+    print_hf_deviations(deviations)
     assert total <= MAX_TOTAL_BYTES, "fixtures exceed the size budget"
     assert hf_total <= MAX_TOTAL_BYTES, "hf_attention fixtures exceed the size budget"
-    assert max(deviations.values()) < 1e-4, "the float64 promotion changed more than rounding"
 
 
 if __name__ == "__main__":
