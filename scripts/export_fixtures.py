@@ -1148,6 +1148,7 @@ HF_DEFAULTS_ARCHS = {
     "gemma3_text": ("Gemma3TextConfig", "gemma3", "Gemma3Attention", "Gemma3RotaryEmbedding"),
     "phi3": ("Phi3Config", "phi3", "Phi3Attention", "Phi3RotaryEmbedding"),
     "gpt_oss": ("GptOssConfig", "gpt_oss", "GptOssAttention", "GptOssRotaryEmbedding"),
+    "gpt_neox": ("GPTNeoXConfig", "gpt_neox", "GPTNeoXAttention", "GPTNeoXRotaryEmbedding"),
 }
 
 HF_DEFAULTS_SIZES = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -1208,6 +1209,13 @@ HF_DEFAULTS_CASES = [
           rope_theta=1000000.0), 2),
     ("gpt_oss", "gpt_oss_no_rope_scaling",
      dict(sliding_window=128, rope_theta=150000.0), 2),
+    # no rope_theta (nor rotary_pct): the config classes' defaults
+    ("llama", "llama_no_rope_theta", dict(), 1),
+    ("phi3", "phi3_no_rope_theta", dict(), 1),
+    ("gemma3_text", "gemma3_no_rope_theta",
+     dict(sliding_window=512, query_pre_attn_scalar=8), 6),
+    ("gpt_oss", "gpt_oss_no_rope_theta", dict(sliding_window=128), 2),
+    ("gpt_neox", "gpt_neox_no_rope_theta_nor_rotary_pct", dict(), 1),
     ("llama", "llama3_rope_scaling",
      dict(rope_theta=500000.0, max_position_embeddings=131072,
           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

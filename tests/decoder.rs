@@ -456,13 +456,15 @@ fn hf_config_errors_name_the_problem() -> Result<()> {
         false,
     ));
     assert!(msg.contains("missing field 'hidden_size'"), "{msg}");
+    // A missing rope_theta takes the config class's default (see hf_config_defaults.json);
+    // a scaled rope without its factor is an error.
     let msg = err_msg(DecoderAttentionConfig::from_hf(
         "llama",
-        &hf(r#"{"hidden_size": 24, "num_attention_heads": 4}"#),
+        &hf(r#"{"hidden_size": 24, "num_attention_heads": 4, "rope_scaling": {"rope_type": "linear"}}"#),
         0,
         false,
     ));
-    assert!(msg.contains("rope_theta"), "{msg}");
+    assert!(msg.contains("rope_parameters.factor"), "{msg}");
     let bad_heads =
         r#"{"hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 3, "rope_theta": 1e4}"#;
     let msg = err_msg(DecoderAttentionConfig::from_hf("llama", &hf(bad_heads), 0, false));

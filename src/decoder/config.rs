@@ -532,7 +532,14 @@ impl DecoderAttentionConfig {
         } else {
             p
         };
-        let theta = num(&p, "rope_theta").ok_or_else(|| missing(arch, "rope_theta"))?;
+        // A config.json without `rope_theta` gets its config class's default (transformers
+        // 5.25): 1e6 for Gemma 3's full layers (its sliding ones default above), 150000 for
+        // gpt-oss, 10000 for the others.
+        let theta = num(&p, "rope_theta").unwrap_or(match arch {
+            "gemma3_text" => 1e6,
+            "gpt_oss" => 150_000.0,
+            _ => 10_000.0,
+        });
         // Only GPT-NeoX's and Phi-3's modeling code rotates part of the head. The others'
         // (Llama, Mistral, Qwen2/3, Gemma 2/3, gpt-oss) compute the default rope over the
         // whole head and ignore `partial_rotary_factor` (transformers 5.25; with a scaled
@@ -541,7 +548,8 @@ impl DecoderAttentionConfig {
             num(&p, "partial_rotary_factor")
                 .or(cfg.partial_rotary_factor)
                 .or(cfg.rotary_pct)
-                .unwrap_or(1.0)
+                // GPTNeoXConfig's default `rotary_pct` is 0.25; Phi3Config's factor is 1.
+                .unwrap_or(if arch == "gpt_neox" { 0.25 } else { 1.0 })
         } else {
             1.0
         };
