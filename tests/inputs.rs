@@ -20,14 +20,15 @@ fn rope(scaling: RopeScaling, theta: f64) -> Result<RotaryEmbedding> {
     })
 }
 
-fn yarn() -> RopeScaling {
+/// A valid yarn scaling, but for the given `beta_fast`, `attention_factor` and `mscale`.
+fn yarn(beta_fast: f64, attention_factor: Option<f64>, mscale: Option<f64>) -> RopeScaling {
     RopeScaling::Yarn {
         factor: 4.0,
         original_max_position_embeddings: 64.0,
-        beta_fast: 32.0,
+        beta_fast,
         beta_slow: 1.0,
-        attention_factor: None,
-        mscale: None,
+        attention_factor,
+        mscale,
         mscale_all_dim: None,
         truncate: true,
     }
@@ -54,11 +55,6 @@ fn rope_takes_only_its_own_table_shape_and_float_tables() -> Result<()> {
 
 #[test]
 fn rope_parameters_must_be_finite_and_positive() -> Result<()> {
-    let with = |f: &dyn Fn(&mut RopeScaling)| {
-        let mut s = yarn();
-        f(&mut s);
-        s
-    };
     let cases: Vec<(RopeScaling, f64, &str)> = vec![
         (RopeScaling::Default, f64::INFINITY, "rope_theta"),
         (
@@ -68,33 +64,9 @@ fn rope_parameters_must_be_finite_and_positive() -> Result<()> {
             1e4,
             "factor",
         ),
-        (
-            with(&|s| {
-                if let RopeScaling::Yarn { beta_fast, .. } = s {
-                    *beta_fast = 0.0
-                }
-            }),
-            1e4,
-            "beta_fast",
-        ),
-        (
-            with(&|s| {
-                if let RopeScaling::Yarn { attention_factor, .. } = s {
-                    *attention_factor = Some(f64::NAN)
-                }
-            }),
-            1e4,
-            "attention_factor",
-        ),
-        (
-            with(&|s| {
-                if let RopeScaling::Yarn { mscale, .. } = s {
-                    *mscale = Some(f64::INFINITY)
-                }
-            }),
-            1e4,
-            "mscale",
-        ),
+        (yarn(0.0, None, None), 1e4, "beta_fast"),
+        (yarn(32.0, Some(f64::NAN), None), 1e4, "attention_factor"),
+        (yarn(32.0, None, Some(f64::INFINITY)), 1e4, "mscale"),
         (
             RopeScaling::Llama3 {
                 factor: 8.0,
@@ -120,7 +92,7 @@ fn rope_parameters_must_be_finite_and_positive() -> Result<()> {
         let msg = err_msg(rope(scaling.clone(), theta));
         assert!(msg.contains(key), "{scaling:?}: {msg}");
     }
-    rope(yarn(), 1e4)?;
+    rope(yarn(32.0, None, None), 1e4)?;
     Ok(())
 }
 
