@@ -1209,6 +1209,16 @@ HF_DEFAULTS_CASES = [
           rope_theta=1000000.0), 2),
     ("gpt_oss", "gpt_oss_no_rope_scaling",
      dict(sliding_window=128, rope_theta=150000.0), 2),
+    # no sliding_window key: the config classes' default window (null means none)
+    ("mistral", "mistral_no_window_key", dict(rope_theta=10000.0), 2),
+    ("gemma2", "gemma2_no_window_key", dict(rope_theta=10000.0, query_pre_attn_scalar=8), 2),
+    ("gemma3_text", "gemma3_no_window_key",
+     dict(sliding_window_pattern=2, query_pre_attn_scalar=8), 2),
+    ("gpt_oss", "gpt_oss_no_window_key", dict(rope_theta=150000.0), 2),
+    ("qwen2", "qwen2_sliding_no_window_key",
+     dict(use_sliding_window=True, max_window_layers=1, rope_theta=1000000.0), 2),
+    ("qwen3", "qwen3_sliding_no_window_key",
+     dict(use_sliding_window=True, max_window_layers=1, rope_theta=1000000.0), 2),
     # no rope_theta (nor rotary_pct): the config classes' defaults
     ("llama", "llama_no_rope_theta", dict(), 1),
     ("phi3", "phi3_no_rope_theta", dict(), 1),

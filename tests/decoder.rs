@@ -827,3 +827,28 @@ fn attn_logit_softcapping_applies_to_gemma2_only() -> Result<()> {
     );
     Ok(())
 }
+
+/// An absent `sliding_window` key, `null` and a number are three different configs: the
+/// absent key takes the config class's default (checked per architecture against
+/// transformers in `hf_config_defaults.json`), `null` means no window. Serializing keeps
+/// the difference.
+#[test]
+fn absent_null_and_numeric_sliding_window_stay_distinct() -> Result<()> {
+    let base = r#""hidden_size": 32, "num_attention_heads": 4, "rope_theta": 10000.0"#;
+    let absent = hf(&format!("{{{base}}}"));
+    let null = hf(&format!(r#"{{{base}, "sliding_window": null}}"#));
+    let eight = hf(&format!(r#"{{{base}, "sliding_window": 8}}"#));
+    assert_eq!(absent.sliding_window, None);
+    assert_eq!(null.sliding_window, Some(None));
+    assert_eq!(eight.sliding_window, Some(Some(8)));
+    let window =
+        |cfg: &HfConfig| DecoderAttentionConfig::from_hf("mistral", cfg, 0, false).map(|c| c.sliding_window);
+    assert_eq!(window(&absent)?, Some(4096));
+    assert_eq!(window(&null)?, None);
+    assert_eq!(window(&eight)?, Some(8));
+    for cfg in [&absent, &null, &eight] {
+        let text = serde_json::to_string(cfg).expect("HfConfig serializes");
+        assert_eq!(&HfConfig::from_json(&text)?, cfg, "{text}");
+    }
+    Ok(())
+}

@@ -139,7 +139,16 @@ pub struct HfConfig {
     pub head_dim: Option<usize>,
     /// `sliding_window` in `config.json`: every layer's window for Mistral and Phi-3, the
     /// `"sliding_attention"` layers' window for Gemma 2/3, gpt-oss and Qwen2/3.
-    pub sliding_window: Option<usize>,
+    ///
+    /// `None` when config.json has no such key: the config class's default then applies, as
+    /// in transformers (4096 for Mistral, Qwen2/3 and Gemma 2/3, 128 for gpt-oss, no window
+    /// for Phi-3). `Some(None)` is `"sliding_window": null`, no window.
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub sliding_window: Option<Option<usize>>,
     /// `use_sliding_window` in `config.json` (Qwen2/3): without it, `sliding_window` is ignored.
     pub use_sliding_window: Option<bool>,
     /// `max_window_layers` in `config.json` (Qwen2/3, default 28): without `layer_types`, the
@@ -203,6 +212,16 @@ pub const ARCHITECTURES: &[&str] = &[
     "gpt_oss",
     "whisper",
 ];
+
+/// Deserializes a key that is present (possibly `null`) as `Some(value)`; with
+/// `#[serde(default)]` an absent key stays `None`.
+fn present<'de, D, T>(d: D) -> std::result::Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
+}
 
 fn missing(arch: &str, field: &str) -> candle::Error {
     candle::Error::Msg(format!("{arch} config: missing field '{field}'"))
@@ -279,9 +298,23 @@ impl HfConfig {
         Ok(Value::Object(out))
     }
 
+    /// `sliding_window`, or when config.json has no such key, the default of `arch`'s config
+    /// class (transformers 5.25): 128 for gpt-oss, none for Phi-3, 4096 for the others that
+    /// have a window.
+    fn window(&self, arch: &str) -> Option<usize> {
+        match self.sliding_window {
+            Some(w) => w,
+            None => match arch {
+                "gpt_oss" => Some(128),
+                "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" => Some(4096),
+                _ => None,
+            },
+        }
+    }
+
     /// Qwen2/3's `sliding_window`: their config class drops it unless `use_sliding_window`.
-    fn qwen_window(&self) -> Option<usize> {
-        self.sliding_window
+    fn qwen_window(&self, arch: &str) -> Option<usize> {
+        self.window(arch)
             .filter(|_| self.use_sliding_window == Some(true))
     }
 }
@@ -340,9 +373,9 @@ impl DecoderAttentionConfig {
         let layer_type = Self::layer_type(arch, cfg, layer_idx)?;
         let sliding = match (arch, layer_type) {
             // Their modeling code passes `config.sliding_window` to every layer.
-            ("mistral" | "phi3", _) => cfg.sliding_window,
-            ("qwen2" | "qwen3", Some(SLIDING)) => cfg.qwen_window(),
-            (_, Some(SLIDING)) => cfg.sliding_window,
+            ("mistral" | "phi3", _) => cfg.window(arch),
+            ("qwen2" | "qwen3", Some(SLIDING)) => cfg.qwen_window(arch),
+            (_, Some(SLIDING)) => cfg.window(arch),
             _ => None,
         };
         if sliding == Some(0) {
@@ -497,7 +530,7 @@ impl DecoderAttentionConfig {
                 !(layer_idx + 1).is_multiple_of(pattern)
             }
             // Qwen2Config, Qwen3Config: sliding from `max_window_layers` on, if a window is used.
-            _ => cfg.qwen_window().is_some() && layer_idx >= cfg.max_window_layers.unwrap_or(28),
+            _ => cfg.qwen_window(arch).is_some() && layer_idx >= cfg.max_window_layers.unwrap_or(28),
         };
         Ok(Some(if sliding { SLIDING } else { FULL }))
     }
