@@ -158,6 +158,15 @@ impl MultiheadAttention {
             )
         }
         let (kdim, vdim) = (cfg.kdim(), cfg.vdim());
+        // `in_proj_weight` is `(3E, E)`; the separate weights are `(E, kdim)` and `(E, vdim)`.
+        if e.checked_mul(3)
+            .and_then(|r| r.checked_mul(e.max(kdim).max(vdim)))
+            .is_none()
+        {
+            candle::bail!(
+                "MultiheadAttention: embed_dim {e}, kdim {kdim} and vdim {vdim} overflow the weight sizes"
+            )
+        }
         let in_bias = if cfg.bias {
             Some(vb.get(3 * e, "in_proj_bias")?)
         } else {

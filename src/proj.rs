@@ -46,6 +46,12 @@ impl Proj {
     /// Loads `<prefix>.weight` `(out, in)` and, with `bias`, `<prefix>.bias` `(out)`:
     /// the key names of a `torch.nn.Linear`.
     pub fn load_linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Self> {
+        if out_dim.checked_mul(in_dim).is_none() {
+            candle::bail!(
+                "linear {}: a ({out_dim}, {in_dim}) weight has more elements than usize holds",
+                vb.prefix()
+            )
+        }
         let weight = vb.get((out_dim, in_dim), "weight")?;
         let bias = if bias {
             Some(vb.get(out_dim, "bias")?)

@@ -150,6 +150,16 @@ fn layers_refuse_integer_inputs() -> Result<()> {
     let x = randn(&[1, 2, 4])?;
     let msg = err_msg(layer.forward_cross(&x, Some(&x), Some(&mut KvCache::rotating(1)?)));
     assert!(msg.contains("rotating") && msg.contains("window 1"), "{msg}");
+    // Head counts and sizes whose projection widths overflow usize (a corrupt config.json).
+    let huge = DecoderAttentionConfig {
+        num_heads: 1 << 40,
+        num_kv_heads: 1 << 40,
+        head_dim: 1 << 30,
+        ..cfg.clone()
+    };
+    let empty = VarBuilder::from_tensors(HashMap::new(), DType::F32, &dev);
+    let msg = err_msg(DecoderAttention::new(&huge, empty));
+    assert!(msg.contains("overflow") && msg.contains("1099511627776"), "{msg}");
     Ok(())
 }
 

@@ -339,6 +339,21 @@ fn bad_inputs_are_errors() -> Result<()> {
     assert!(msg.contains("[2, 5, 7]"), "{msg}");
     let msg = err_msg(ScaledDotProductAttention::new(4).forward(&randn(&[2, 5, 7])?));
     assert!(msg.contains("[2, 5, 7]"), "{msg}");
+    // sizes whose weights overflow usize (a corrupt config)
+    let huge = 1usize << 33;
+    let msg = err_msg(MultiheadAttention::new(
+        &MultiheadAttentionConfig::new(huge, 2),
+        vb(vec![]),
+    ));
+    assert!(
+        msg.contains("overflow") && msg.contains(&huge.to_string()),
+        "{msg}"
+    );
+    let msg = err_msg(MultiHeadAttention::new(
+        &AttentionConfig::new(huge, 2),
+        vb(vec![]),
+    ));
+    assert!(msg.contains(&format!("({huge}, {huge})")), "{msg}");
     Ok(())
 }
 

@@ -61,6 +61,17 @@ impl DecoderAttention {
         if h == 0 || hkv == 0 || hd == 0 || !h.is_multiple_of(hkv) {
             candle::bail!("attention: num_heads ({h}) must be a positive multiple of num_kv_heads ({hkv}), head_dim {hd}")
         }
+        // No projection is wider than 3·h·hd (hkv divides h), nor holds more than
+        // hidden × 3·h·hd weights.
+        let largest = h
+            .checked_mul(3)
+            .and_then(|w| w.checked_mul(hd))
+            .and_then(|w| w.checked_mul(hidden.max(1)));
+        if largest.is_none() {
+            candle::bail!(
+                "attention: num_heads {h}, num_kv_heads {hkv}, head_dim {hd} and hidden_size {hidden} overflow the projection sizes"
+            )
+        }
         let (qd, kvd) = (h * hd, hkv * hd);
         let lin = |name: &str, i: usize, o: usize, bias: bool| Proj::load_linear(i, o, bias, vb.pp(name));
         let (qkv, o) = match &cfg.layout {
