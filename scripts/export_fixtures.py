@@ -1219,6 +1219,17 @@ HF_DEFAULTS_CASES = [
      dict(use_sliding_window=True, max_window_layers=1, rope_theta=1000000.0), 2),
     ("qwen3", "qwen3_sliding_no_window_key",
      dict(use_sliding_window=True, max_window_layers=1, rope_theta=1000000.0), 2),
+    # both spellings of the rope: a non-empty rope_scaling replaces rope_parameters whole
+    ("llama", "llama_rope_scaling_replaces_rope_parameters",
+     dict(rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+          rope_parameters={"rope_type": "default", "rope_theta": 1000.0}), 1),
+    ("gemma2", "gemma2_rope_scaling_replaces_nested_rope_parameters",
+     dict(query_pre_attn_scalar=8, rope_scaling={"rope_type": "linear", "factor": 2.0},
+          rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                           "full_attention": {"rope_type": "default", "rope_theta": 3000.0}}), 2),
+    ("qwen2", "qwen2_empty_rope_scaling_keeps_rope_parameters",
+     dict(rope_scaling={}, rope_parameters={"rope_type": "linear", "factor": 3.0,
+                                            "rope_theta": 1000.0}), 1),
     # no rope_theta (nor rotary_pct): the config classes' defaults
     ("llama", "llama_no_rope_theta", dict(), 1),
     ("phi3", "phi3_no_rope_theta", dict(), 1),
@@ -1250,7 +1261,6 @@ def hf_config_defaults_case(arch: str, name: str, config_json: dict, layers: int
     config_cls, module, attn_cls, rotary_cls = HF_DEFAULTS_ARCHS[arch]
     config_json = {"model_type": arch, **HF_DEFAULTS_SIZES, "num_hidden_layers": layers,
                    **config_json}
-    assert "rope_parameters" not in config_json, "old-style configs only"
     # from_dict modifies the dicts it is given (it adds rope_theta to rope_scaling)
     config = hf_class(config_cls).from_dict(copy.deepcopy(config_json))
     modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")

@@ -240,19 +240,22 @@ impl HfConfig {
         serde_json::from_str(text).map_err(|e| candle::Error::Msg(format!("bad Hugging Face config: {e}")))
     }
 
-    /// The rope parameters for `layer_type`: transformers 5's `rope_parameters` (flat or per
-    /// layer type), else the older `rope_theta` + `rope_scaling` spelling.
+    /// The rope parameters for `layer_type`, as `convert_rope_params_to_dict` picks them
+    /// (transformers 5.25): a non-empty `rope_scaling` (the older spelling) replaces
+    /// `rope_parameters` whole; else transformers 5's `rope_parameters`, flat or per layer
+    /// type. A theta missing there is the top-level `rope_theta`.
     fn rope_params(&self, layer_type: Option<&str>) -> Value {
         let mut out = serde_json::Map::new();
-        if let Some(Value::Object(rs)) = &self.rope_scaling {
-            out.extend(rs.clone());
-        }
-        if let Some(Value::Object(rp)) = &self.rope_parameters {
-            let nested = layer_type.and_then(|t| rp.get(t)).and_then(Value::as_object);
-            match nested {
-                Some(inner) => out.extend(inner.clone()),
-                None => out.extend(rp.clone()),
+        match (&self.rope_scaling, &self.rope_parameters) {
+            (Some(Value::Object(rs)), _) if !rs.is_empty() => out.extend(rs.clone()),
+            (_, Some(Value::Object(rp))) => {
+                let nested = layer_type.and_then(|t| rp.get(t)).and_then(Value::as_object);
+                match nested {
+                    Some(inner) => out.extend(inner.clone()),
+                    None => out.extend(rp.clone()),
+                }
             }
+            _ => {}
         }
         let theta = self.rope_theta.or(self.rotary_emb_base);
         if let Some(t) = theta {
