@@ -577,6 +577,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 4.0, "low_f
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 32.0,
              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
+# LongRoPE (Phi-3-mini-128k, Phi-3.5, Phi-4-mini) with a tiny original context of 8 positions:
+# a prefill of 6 and 5 decode steps reach max positions 5, 6, 7 (short factors: 6, 7, 8 <= 8),
+# then 8, 9, 10 (long factors).  Partial rotary 0.75 as in Phi-4-mini; the factor derives from
+# max_position_embeddings / original_max_position_embeddings = 32 / 8.
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 100.0, "partial_rotary_factor": 0.75,
+                 "short_factor": [1.0, 1.05, 1.1, 1.25, 1.4, 1.6],
+                 "long_factor": [1.0, 1.8, 3.0, 5.0, 8.0, 12.0]}
+PHI3_LONGROPE_FACTOR = {"rope_type": "longrope", "rope_theta": 100.0, "factor": 2.0,
+                        "short_factor": [1.0, 1.1, 1.3, 1.5],
+                        "long_factor": [1.5, 2.5, 6.0, 10.0]}
 # Gemma 3: one rope per layer type (the sliding layers' theta differs from the full layers')
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}
@@ -646,6 +656,18 @@ HF_CASES = [
                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
                                  "partial_rotary_factor": 0.5}),
            layer_idx=1, B=1, L=5, steps=4),
+    HfCase("phi3", "phi3_longrope_switch_in_decode",
+           dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                sliding_window=None, max_position_embeddings=32,
+                original_max_position_embeddings=8, rope_parameters=PHI3_LONGROPE),
+           B=1, L=6, steps=5, all_dtypes=True),
+    # the longest row decides for the whole batch: the left-padded row (positions 3 behind)
+    # takes the long factors from step 3 on too; an explicit factor sets the attention factor
+    HfCase("phi3", "phi3_longrope_batch_max_leftpad_factor",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                sliding_window=4, max_position_embeddings=32,
+                original_max_position_embeddings=8, rope_parameters=PHI3_LONGROPE_FACTOR),
+           B=2, L=6, steps=5, left_pad=(3, 0)),
     HfCase("gpt2", "gpt2_conv1d_leftpad",
            dict(n_embd=32, n_head=4, n_layer=1, n_positions=64),
            B=2, L=6, steps=4, left_pad=(2, 0), all_dtypes=True),
@@ -876,15 +898,19 @@ def build_hf_attention(c: HfCase, dtype: torch.dtype) -> Fixture:
     valid = torch.ones(c.B, c.L + c.steps, dtype=torch.bool) if mask is None else mask
     full = torch.cat([out] + step_outs, dim=1)
     assert torch.isfinite(full[valid]).all(), f"hf/{c.name}: non-finite output at a real token"
-    # 1. The cached decode equals one forward over the whole sequence without cache.
+    # 1. The cached decode equals one forward over the whole sequence without cache
+    #    (unless longrope switches factors between calls: see hf_check_longrope_switch).
     again = HfRun(c)
     again.attn.load_state_dict(params)
     whole, _ = again.forward(x, torch.cat([prefill["embeds"]] + [s["embeds"] for s in steps], 1),
                              mask, pos, None, encoder=enc, use_cache=False)
-    torch.testing.assert_close(full[valid], whole[valid], rtol=1e-12, atol=1e-12)
+    if not hf_longrope_switches(c, config, [prefill] + steps):
+        torch.testing.assert_close(full[valid], whole[valid], rtol=1e-12, atol=1e-12)
     # 2. An independent float64 implementation of the contract, from the fixture's contents only.
     ref = reference_hf_attention(fx)
     torch.testing.assert_close(full[valid], ref[valid], rtol=1e-10, atol=1e-12)
+    if hf_longrope_switches(c, config, [prefill] + steps):
+        hf_check_longrope_switch(c, fx, valid, full, whole, ref)
     #    A Gemma 3 case that sets attn_logit_softcapping pins that it is not applied:
     #    applying it must move the output well beyond the loosest (bf16) tolerance.
     if c.arch == "gemma3_text" and config.get("attn_logit_softcapping") is not None:
@@ -894,6 +920,32 @@ def build_hf_attention(c: HfCase, dtype: torch.dtype) -> Fixture:
     # 3. The cache is the kind the README describes.
     hf_check_cache(c, run, cache)
     return fx
+
+
+def hf_longrope_switches(c: HfCase, config: dict, calls: list[dict]) -> bool:
+    """Whether some calls take longrope's short factors and others its long ones."""
+    rp = config.get("rope_parameters") or {}
+    if rp.get("rope_type") != "longrope":
+        return False
+    longs = {int(call["pos"].max()) + 1 > rp["original_max_position_embeddings"] for call in calls}
+    return len(longs) == 2
+
+
+def hf_check_longrope_switch(c: HfCase, fx: Fixture, valid, full, whole, ref):
+    """A longrope case whose calls switch from the short to the long factors: transformers
+    picks the factors per call (the cached run differs from one forward of the whole
+    sequence, which the reference reproduces when it rotates the sequence as one call), and
+    the fixture tells a per-call switch from one that never happens, covers every call or
+    (with a batch) is made per row."""
+    torch.testing.assert_close(whole[valid], reference_hf_attention(fx, rope_calls="whole")[valid],
+                               rtol=1e-10, atol=1e-12)
+    others = [("one forward of the whole sequence", whole),
+              ("the short factors throughout", reference_hf_attention(fx, rope_calls="short"))]
+    if c.B > 1:
+        others.append(("a switch per batch row", reference_hf_attention(fx, rope_calls="per_row")))
+    for name, other in others:
+        moved = ((other - ref)[valid].abs().max() / ref[valid].abs().max()).item()
+        assert moved > 0.05, f"hf/{c.name}: {name} changes the output by {moved:.1e} only"
 
 
 def hf_check_cache(c: HfCase, run: HfRun, cache):
@@ -953,8 +1005,10 @@ def hf_window(arch: str, cfg: dict, layer_idx: int) -> int | None:
     return None
 
 
-def ref_inv_freq(cfg: dict, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention_factor) from config["rope_parameters"], in float64."""
+def ref_inv_freq(cfg: dict, head_dim: int,
+                 seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_factor) from config["rope_parameters"], in float64, for a call
+    whose largest position id is seq_len - 1 (only longrope reads it; None: the short set)."""
     rp = cfg["rope_parameters"]
     base, kind = rp["rope_theta"], rp.get("rope_type", "default")
     dim = int(head_dim * rp.get("partial_rotary_factor", 1.0))
@@ -992,6 +1046,18 @@ def ref_inv_freq(cfg: dict, head_dim: int) -> tuple[torch.Tensor, float]:
         ramp = ((torch.arange(dim // 2, dtype=F64) - low) / (high - low)).clamp(0, 1)
         extrap = 1 - ramp                                  # weight of the unscaled frequency
         return inv / factor * (1 - extrap) + inv * extrap, att
+    if kind == "longrope":
+        old = rp["original_max_position_embeddings"]
+        factor = rp.get("factor")
+        if factor is None:                                 # Phi-3: the context extension ratio
+            factor = cfg["max_position_embeddings"] / old
+        att = rp.get("attention_factor")
+        if att is None:
+            att = math.sqrt(1 + math.log(factor) / math.log(old)) if factor > 1 else 1.0
+        long = seq_len is not None and seq_len > old       # the switch, once per call
+        ext = torch.tensor(rp["long_factor" if long else "short_factor"], dtype=F64)
+        assert ext.numel() == dim // 2
+        return inv / ext, att
     raise ValueError(kind)
 
 
@@ -1012,10 +1078,19 @@ def ref_alibi_slopes(n: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=F64)
 
 
-def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False) -> torch.Tensor:
+def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False,
+                           rope_calls: str = "per_call") -> torch.Tensor:
     """The attention output for the whole sequence (prefill, then every step),
     computed in float64 without a cache from the fixture's config, call,
     params and inputs only, exactly as the README describes.
+
+    The queries and keys of each call (the prefill, each step) are rotated with
+    the frequencies of that call, as the cached run does: longrope picks its
+    short or long factors from the call's largest position id, and keys keep
+    the frequencies they were rotated with.  Counterfactuals: `rope_calls="whole"`
+    rotates the whole sequence as one call (what a forward without cache does),
+    `"short"` always takes longrope's short factors and `"per_row"` decides per
+    batch row instead of once for the call.
 
     `gemma3_softcap=True` applies a Gemma 3 config's `attn_logit_softcapping`,
     which transformers does not: the counterfactual that shows a case pins that."""
@@ -1026,6 +1101,28 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False) -> torch.T
     cat = lambda n: torch.cat([fx.inputs[n]] + [fx.inputs[f"step{i}.{n}"]  # noqa: E731
                                                  for i in range(1, steps + 1)], 1)
     x, pos = cat("hidden_states"), cat("position_ids")
+    calls = [fx.inputs["position_ids"]] + [fx.inputs[f"step{i}.position_ids"]
+                                           for i in range(1, steps + 1)]
+    if rope_calls == "whole":
+        calls = [pos]
+    assert rope_calls in ("per_call", "whole", "short", "per_row"), rope_calls
+
+    def rope_qk(q, k, rope_cfg, D):                            # rotate each call's slice
+        qs, ks, t0 = [], [], 0
+        for p in calls:
+            n = p.shape[1]
+            rows = [slice(b, b + 1) for b in range(B)] if rope_calls == "per_row" else [slice(None)]
+            for r in rows:
+                seq_len = None if rope_calls == "short" else int(p[r].max()) + 1
+                inv, att = ref_inv_freq(rope_cfg, D, seq_len)
+                qs.append(ref_rope(q[r, :, t0:t0 + n], p[r], inv, att))
+                ks.append(ref_rope(k[r, :, t0:t0 + n], p[r], inv, att))
+            if len(rows) > 1:                                  # per_row: stack the rows again
+                qs[-B:] = [torch.cat(qs[-B:], 0)]
+                ks[-B:] = [torch.cat(ks[-B:], 0)]
+            t0 += n
+        assert t0 == q.shape[2]
+        return torch.cat(qs, 2), torch.cat(ks, 2)
     B, T, E = x.shape
     mask = fx.inputs.get(f"step{steps}.attention_mask")
     pad = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
@@ -1054,8 +1151,7 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False) -> torch.T
         rope = cfg
         if arch == "gemma3_text":                              # one rope per layer type
             rope = {"rope_parameters": cfg["rope_parameters"][cfg["layer_types"][li]]}
-        inv, att = ref_inv_freq(rope, D)
-        q, k = ref_rope(q, pos, inv, att), ref_rope(k, pos, inv, att)
+        q, k = rope_qk(q, k, rope, D)
         k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
         gemma = arch in ("gemma2", "gemma3_text")
         scale = (cfg["query_pre_attn_scalar"] if gemma else D) ** -0.5
@@ -1079,8 +1175,7 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False) -> torch.T
         D = E // H
         qkv = lin(x, "query_key_value.weight", "query_key_value.bias").view(B, T, H, 3 * D)
         q, k, v = qkv.transpose(1, 2).chunk(3, -1)            # per head: [q | k | v]
-        inv, att = ref_inv_freq(cfg, D)
-        q, k = ref_rope(q, pos, inv, att), ref_rope(k, pos, inv, att)
+        q, k = rope_qk(q, k, cfg, D)
         scale = D ** -0.5
         out_w, out_b = "dense.weight", "dense.bias"
     elif arch == "bloom":
@@ -1227,6 +1322,10 @@ HF_DEFAULTS_CASES = [
      dict(query_pre_attn_scalar=8, rope_scaling={"rope_type": "linear", "factor": 2.0},
           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
                            "full_attention": {"rope_type": "default", "rope_theta": 3000.0}}), 2),
+    ("qwen2", "qwen2_rope_scaling_replaces_nested_top_level_original_wins",
+     dict(original_max_position_embeddings=128, max_position_embeddings=512,
+          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0}}), 1),
     ("qwen2", "qwen2_empty_rope_scaling_keeps_rope_parameters",
      dict(rope_scaling={}, rope_parameters={"rope_type": "linear", "factor": 3.0,
                                             "rope_theta": 1000.0}), 1),
@@ -1257,6 +1356,85 @@ def hf_modeling_window(attn: nn.Module, config) -> int | None:
     return None
 
 
+# LongRoPE config.json files as Phi-3-mini-128k, Phi-3.5-mini and Phi-4-mini ship them (sizes
+# and factor lists shrunk), the older spellings Phi3Config renames, and which
+# original_max_position_embeddings wins.  For these layers the file also records what
+# transformers' own rotary module computes (see hf_longrope_rotary).
+LONGROPE_SHORT, LONGROPE_LONG = [1.0, 1.05, 1.2, 1.6], [1.0, 1.9, 5.5, 12.0]
+
+
+def longrope_scaling(kind: str = "longrope", key: str = "type", n: int = 4, **extra) -> dict:
+    return {key: kind, "short_factor": LONGROPE_SHORT[:n], "long_factor": LONGROPE_LONG[:n],
+            **extra}
+
+
+PHI3_128K = dict(max_position_embeddings=131072, original_max_position_embeddings=4096,
+                 rope_theta=10000.0)
+HF_DEFAULTS_LONGROPE_CASES = [
+    ("phi3", "phi3_longrope_128k",
+     dict(**PHI3_128K, sliding_window=262144, rope_scaling=longrope_scaling()), 2),
+    ("phi3", "phi3_longrope_rope_type_key",
+     dict(**PHI3_128K, rope_scaling=longrope_scaling(key="rope_type")), 1),
+    # Phi3Config renames the older "su" and "yarn" to "longrope"
+    ("phi3", "phi3_su_is_longrope", dict(**PHI3_128K, rope_scaling=longrope_scaling("su")), 1),
+    ("phi3", "phi3_yarn_is_longrope", dict(**PHI3_128K, rope_scaling=longrope_scaling("yarn")), 1),
+    # Phi-4-mini: partial rotary, so rotary_dim/2 = 3 factors
+    ("phi3", "phi3_longrope_partial_rotary",
+     dict(**PHI3_128K, partial_rotary_factor=0.75, rope_scaling=longrope_scaling(n=3)), 1),
+    # the top-level original_max_position_embeddings replaces the one in rope_scaling ...
+    ("phi3", "phi3_longrope_top_level_original_wins",
+     dict(**PHI3_128K,
+          rope_scaling=longrope_scaling(original_max_position_embeddings=8192)), 1),
+    # ... and Phi3Config's default 4096 does too
+    ("phi3", "phi3_longrope_original_defaults_to_4096",
+     dict(max_position_embeddings=16384, rope_theta=10000.0,
+          rope_scaling=longrope_scaling(original_max_position_embeddings=2048)), 1),
+    # neither length: both 4096, so factor 1 and attention factor 1
+    ("phi3", "phi3_longrope_no_lengths",
+     dict(rope_theta=10000.0, rope_scaling=longrope_scaling()), 1),
+    ("phi3", "phi3_longrope_explicit_factor",
+     dict(**PHI3_128K, rope_scaling=longrope_scaling(factor=2.0)), 1),
+    ("phi3", "phi3_longrope_explicit_attention_factor",
+     dict(**PHI3_128K, rope_scaling=longrope_scaling(attention_factor=1.25)), 1),
+    # other architectures: a top-level original_max_position_embeddings wins when there is one
+    ("llama", "llama_longrope_top_level_original_wins",
+     dict(max_position_embeddings=131072, original_max_position_embeddings=2048, rope_theta=10000.0,
+          rope_scaling=longrope_scaling(key="rope_type",
+                                        original_max_position_embeddings=4096)), 1),
+    ("llama", "llama_longrope_original_in_rope_scaling",
+     dict(max_position_embeddings=131072, rope_theta=10000.0,
+          rope_scaling=longrope_scaling(key="rope_type",
+                                        original_max_position_embeddings=4096)), 1),
+    ("llama", "llama3_top_level_original_wins",
+     dict(rope_theta=500000.0, max_position_embeddings=131072,
+          original_max_position_embeddings=2048,
+          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), 1),
+]
+
+
+def hf_longrope_rotary(modeling, rotary_cls: str, config, params: dict) -> dict:
+    """What transformers' rotary module does with a longrope config, in float64: its
+    attention scaling, and for calls whose largest position id is just below the switch, at
+    it, and below it again, the frequencies it used and cos/sin at that largest position
+    (the first rotary_dim/2 entries; the rest repeat them)."""
+    old = params["original_max_position_embeddings"]
+    calls = []
+    with hf_float64():
+        rotary = getattr(modeling, rotary_cls)(config)
+        for p in (old - 1, old, old - 1):
+            cos, sin = rotary(torch.zeros(1, 1, dtype=F64), torch.tensor([[0, p]]))
+            inv = rotary.inv_freq
+            assert inv.dtype == F64 and cos.dtype == F64, (inv.dtype, cos.dtype)
+            half = inv.numel()
+            ang = p * inv.to(F64)
+            torch.testing.assert_close(cos[0, 1, :half], ang.cos() * rotary.attention_scaling)
+            calls.append({"max_position": p, "inv_freq": inv.tolist(),
+                          "cos": cos[0, 1, :half].tolist(), "sin": sin[0, 1, :half].tolist()})
+    assert calls[0]["inv_freq"] == calls[2]["inv_freq"] != calls[1]["inv_freq"], "no switch"
+    return {"attention_scaling": rotary.attention_scaling, "calls": calls}
+
+
 def hf_config_defaults_case(arch: str, name: str, config_json: dict, layers: int) -> dict:
     config_cls, module, attn_cls, rotary_cls = HF_DEFAULTS_ARCHS[arch]
     config_json = {"model_type": arch, **HF_DEFAULTS_SIZES, "num_hidden_layers": layers,
@@ -1276,13 +1454,16 @@ def hf_config_defaults_case(arch: str, name: str, config_json: dict, layers: int
         assert params["rope_type"] == (rotary.rope_type[layer_type] if nested else rotary.rope_type)
         window = hf_modeling_window(getattr(modeling, attn_cls)(config, i), config)
         assert window == hf_window(arch, as_dict, i), (name, i, window)
-        out.append({"layer_type": layer_type, "sliding_window": window,
-                    "rope": dict(sorted(params.items()))})
+        layer = {"layer_type": layer_type, "sliding_window": window,
+                 "rope": dict(sorted(params.items()))}
+        if params["rope_type"] == "longrope":
+            layer["rotary"] = hf_longrope_rotary(modeling, rotary_cls, config, params)
+        out.append(layer)
     return {"architecture": arch, "name": name, "config": config_json, "layers": out}
 
 
 def export_hf_config_defaults() -> Path:
-    cases = [hf_config_defaults_case(*c) for c in HF_DEFAULTS_CASES]
+    cases = [hf_config_defaults_case(*c) for c in HF_DEFAULTS_CASES + HF_DEFAULTS_LONGROPE_CASES]
     doc = {"format": HF_DEFAULTS_FORMAT, "transformers_version": transformers.__version__,
            "cases": cases}
     # one line per case field and per layer: small, and a diff shows what moved
@@ -1414,7 +1595,8 @@ def main():
         return
     defaults = export_hf_config_defaults()
     print(f"transformers {transformers.__version__}: wrote {defaults} "
-          f"({len(HF_DEFAULTS_CASES)} cases, {defaults.stat().st_size} bytes)")
+          f"({len(HF_DEFAULTS_CASES) + len(HF_DEFAULTS_LONGROPE_CASES)} cases, "
+          f"{defaults.stat().st_size} bytes)")
     if args.hf_config_defaults_only:
         return
     for kind in KINDS:

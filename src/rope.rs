@@ -1,5 +1,5 @@
 //! Rotary position embeddings (RoPE), both styles, partial rotary dims and the
-//! frequency scalings used by Hugging Face models (linear, Llama-3, YaRN).
+//! frequency scalings used by Hugging Face models (linear, Llama-3, YaRN, LongRoPE).
 //!
 //! The inverse frequencies follow `transformers.modeling_rope_utils` formula for
 //! formula, in f64. `cos`/`sin` are computed in f64 on CPU (f32 on other devices) and
@@ -56,6 +56,39 @@ pub enum RopeScaling {
         /// Round the correction range to whole dims (Hugging Face's default: true).
         truncate: bool,
     },
+    /// LongRoPE (Phi-3-mini-128k, Phi-3.5, Phi-4-mini): every frequency divided by a factor of
+    /// its own, from one of two lists chosen per call, and `cos`/`sin` scaled by an attention
+    /// factor in both regimes (transformers 5.25, `_compute_longrope_parameters` and
+    /// `dynamic_rope_update`'s `longrope_frequency_update`):
+    ///
+    /// - `inv_freq[i] = 1 / (ext[i] · theta^(2i / rotary_dim))` for `i < rotary_dim / 2`, with
+    ///   `ext = long_factor` for a call whose largest position id `p` (over the whole
+    ///   `(B, L)` `position_ids`) has `p + 1 > original_max_position_embeddings`, else
+    ///   `ext = short_factor`;
+    /// - attention factor: `attention_factor` if given, else 1 when `factor <= 1`, else
+    ///   `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`.
+    ///
+    /// [`RotaryEmbedding::cos_sin`] makes the choice on every call, as transformers does
+    /// (statelessly: a later call with small positions goes back to the short factors).
+    LongRope {
+        /// Divisors of the frequencies while the call's positions stay within
+        /// `original_max_position_embeddings`; `rotary_dim / 2` of them, positive and finite.
+        short_factor: Vec<f64>,
+        /// Divisors of the frequencies once a call reaches past
+        /// `original_max_position_embeddings`; `rotary_dim / 2` of them, positive and finite.
+        long_factor: Vec<f64>,
+        /// The pre-training context length: the switch point, and the base of the logarithm
+        /// in the default attention factor.
+        original_max_position_embeddings: f64,
+        /// Context extension factor; only the default attention factor reads it.
+        /// transformers takes `rope_parameters.factor`, else `max_position_embeddings /
+        /// original_max_position_embeddings` (what
+        /// [`DecoderAttentionConfig::from_hf`](crate::decoder::DecoderAttentionConfig::from_hf)
+        /// fills in).
+        factor: f64,
+        /// Explicit `cos`/`sin` scaling; `None` derives it from `factor`.
+        attention_factor: Option<f64>,
+    },
 }
 
 /// Configuration of a [`RotaryEmbedding`].
@@ -73,10 +106,20 @@ pub struct RopeConfig {
     pub scaling: RopeScaling,
 }
 
+/// LongRoPE's second frequency set and when it applies.
+#[derive(Clone, Debug)]
+struct LongFreq {
+    inv_freq: Vec<f64>,
+    original_max_position_embeddings: f64,
+}
+
 /// Rotary embedding with precomputed inverse frequencies.
 #[derive(Clone, Debug)]
 pub struct RotaryEmbedding {
+    /// The frequencies of every call; LongRoPE's short set.
     inv_freq: Vec<f64>,
+    /// LongRoPE's long set.
+    long: Option<LongFreq>,
     attention_scaling: f64,
     rotary_dim: usize,
     head_dim: usize,
@@ -102,6 +145,7 @@ impl RotaryEmbedding {
             }
             Ok(())
         };
+        let mut long = None;
         let (inv_freq, attention_scaling) = match &cfg.scaling {
             RopeScaling::Default => (base, 1.0),
             RopeScaling::Linear { factor } => {
@@ -203,8 +247,59 @@ impl RotaryEmbedding {
                     .collect();
                 (f, att)
             }
+            RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings: old,
+                factor,
+                attention_factor,
+            } => {
+                positive("original_max_position_embeddings", *old)?;
+                positive("factor", *factor)?;
+                if let Some(a) = attention_factor {
+                    positive("attention_factor", *a)?;
+                }
+                for (name, ext) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                    if ext.len() != dim / 2 {
+                        candle::bail!(
+                            "rope: longrope {name} must have rotary_dim/2 = {} entries (one per frequency), got {}",
+                            dim / 2,
+                            ext.len()
+                        )
+                    }
+                    if let Some((i, x)) = ext.iter().enumerate().find(|(_, x)| !x.is_finite() || **x <= 0.0) {
+                        candle::bail!("rope: longrope {name}[{i}] must be positive and finite, got {x}")
+                    }
+                }
+                let att = match attention_factor {
+                    Some(a) => *a,
+                    None if *factor <= 1.0 => 1.0,
+                    None => {
+                        if *old <= 1.0 {
+                            candle::bail!(
+                                "rope: longrope derives attention_factor from ln(original_max_position_embeddings), \
+                                 which needs original_max_position_embeddings > 1, got {old}"
+                            )
+                        }
+                        (1.0 + factor.ln() / old.ln()).sqrt()
+                    }
+                };
+                // transformers' formula, 1 / (ext · theta^(2i/dim)).
+                let scaled = |ext: &[f64]| -> Vec<f64> {
+                    ext.iter()
+                        .enumerate()
+                        .map(|(i, e)| 1.0 / (e * cfg.theta.powf((2 * i) as f64 / dim as f64)))
+                        .collect()
+                };
+                long = Some(LongFreq {
+                    inv_freq: scaled(long_factor),
+                    original_max_position_embeddings: *old,
+                });
+                (scaled(short_factor), att)
+            }
         };
-        if inv_freq.iter().any(|f: &f64| !f.is_finite()) || !attention_scaling.is_finite() {
+        let long_freq = long.iter().flat_map(|l| l.inv_freq.iter());
+        if inv_freq.iter().chain(long_freq).any(|f: &f64| !f.is_finite()) || !attention_scaling.is_finite() {
             candle::bail!(
                 "rope: {:?} gives non-finite frequencies or scaling (inv_freq {inv_freq:?}, scaling {attention_scaling})",
                 cfg.scaling
@@ -212,6 +307,7 @@ impl RotaryEmbedding {
         }
         Ok(Self {
             inv_freq,
+            long,
             attention_scaling,
             rotary_dim: dim,
             head_dim: hd,
@@ -219,18 +315,47 @@ impl RotaryEmbedding {
         })
     }
 
-    /// The inverse frequencies, `rotary_dim / 2` of them.
+    /// The inverse frequencies, `rotary_dim / 2` of them. For LongRoPE these are the short
+    /// set, the one of calls within `original_max_position_embeddings` (transformers'
+    /// `original_inv_freq`); [`Self::long_inv_freq`] is the other one.
     pub fn inv_freq(&self) -> &[f64] {
         &self.inv_freq
     }
 
-    /// The factor applied to `cos` and `sin` (YaRN's attention factor; 1 otherwise).
+    /// LongRoPE's long set of inverse frequencies (`rotary_dim / 2` of them); `None` for the
+    /// other scalings, which have one set.
+    pub fn long_inv_freq(&self) -> Option<&[f64]> {
+        self.long.as_ref().map(|l| l.inv_freq.as_slice())
+    }
+
+    /// The inverse frequencies of a call whose largest position id is `max_position`: for
+    /// LongRoPE the long set when `max_position + 1 > original_max_position_embeddings`,
+    /// else the short set; [`Self::inv_freq`] for the other scalings.
+    pub fn inv_freq_for_max_position(&self, max_position: u64) -> &[f64] {
+        match &self.long {
+            Some(l) if max_position as f64 + 1.0 > l.original_max_position_embeddings => &l.inv_freq,
+            _ => &self.inv_freq,
+        }
+    }
+
+    /// The factor applied to `cos` and `sin` (YaRN's and LongRoPE's attention factor; 1
+    /// otherwise). LongRoPE applies it with both frequency sets.
     pub fn attention_scaling(&self) -> f64 {
         self.attention_scaling
     }
 
     /// `cos`, `sin` for integer `position_ids` `(B, L)`: each `(B, L, rotary_dim/2)` in `dtype`.
     /// Negative positions are an error.
+    ///
+    /// LongRoPE picks its frequency set here, once per call, from the largest position in the
+    /// whole `position_ids` (every row of the batch gets the same set), as transformers'
+    /// rotary module does on every forward (see [`Self::inv_freq_for_max_position`]). Keys
+    /// rotated by earlier calls and kept in a [`crate::KvCache`] keep the frequencies they were
+    /// rotated with, as in transformers' cache: a prefill within
+    /// `original_max_position_embeddings` followed by decode steps beyond it mixes short-set
+    /// keys with long-set queries. (`Phi3ForCausalLM.prepare_inputs_for_generation` avoids that
+    /// in `generate` by dropping the cache once, at the step that crosses, and running the whole
+    /// sequence again; a caller can do the same with a fresh cache.)
     pub fn cos_sin(&self, position_ids: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
         let (b, l) = position_ids.dims2().map_err(|_| {
             candle::Error::Msg(format!(
@@ -253,22 +378,43 @@ impl RotaryEmbedding {
             let z = Tensor::zeros((b, l, half), dtype, dev)?;
             return Ok((z.clone(), z));
         }
-        let min = position_ids
-            .to_dtype(DType::I64)?
-            .flatten_all()?
-            .min(0)?
-            .to_scalar::<i64>()?;
+        let flat = position_ids.to_dtype(DType::I64)?.flatten_all()?;
+        let min = flat.min(0)?.to_scalar::<i64>()?;
         if min < 0 {
             candle::bail!("rope: positions out of range: position_ids contains {min}")
         }
-        self.cos_sin_unchecked(position_ids, dtype)
+        let max = match self.long {
+            Some(_) => Some(flat.max(0)?.to_scalar::<i64>()?),
+            None => None,
+        };
+        self.cos_sin_at(position_ids, dtype, max)
     }
 
     /// [`Self::cos_sin`] without the range check, for callers that validated the positions.
     pub(crate) fn cos_sin_unchecked(&self, position_ids: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let max = match self.long {
+            Some(_) if position_ids.elem_count() > 0 => Some(
+                position_ids
+                    .to_dtype(DType::I64)?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<i64>()?,
+            ),
+            _ => None,
+        };
+        self.cos_sin_at(position_ids, dtype, max)
+    }
+
+    /// `cos`, `sin` with the frequencies of a call whose largest position is `max` (only
+    /// LongRoPE reads it; `None`: the short set).
+    fn cos_sin_at(&self, position_ids: &Tensor, dtype: DType, max: Option<i64>) -> Result<(Tensor, Tensor)> {
         let (b, l) = position_ids.dims2()?;
         let dev = position_ids.device();
-        let half = self.inv_freq.len();
+        let inv_freq = match max {
+            Some(m) if m >= 0 => self.inv_freq_for_max_position(m as u64),
+            _ => &self.inv_freq,
+        };
+        let half = inv_freq.len();
         // f64 on CPU; f32 elsewhere (Metal has no f64).
         let cd = if dev.is_cpu() || dtype == DType::F64 {
             DType::F64
@@ -276,7 +422,7 @@ impl RotaryEmbedding {
             DType::F32
         };
         let pos = position_ids.to_dtype(cd)?.reshape((b, l, 1))?;
-        let inv = Tensor::from_slice(&self.inv_freq, (1, 1, half), &Device::Cpu)?
+        let inv = Tensor::from_slice(inv_freq, (1, 1, half), &Device::Cpu)?
             .to_dtype(cd)?
             .to_device(dev)?;
         let freqs = pos.broadcast_mul(&inv)?;

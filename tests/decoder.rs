@@ -684,6 +684,35 @@ fn rope_differences(want: &serde_json::Value, rope: Option<&RopeConfig>) -> Vec<
                 out.push(format!("truncate: got {truncate}, transformers {want_truncate}"));
             }
         }
+        (
+            "longrope",
+            RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings,
+                factor,
+                attention_factor,
+            },
+        ) => {
+            same(
+                "original_max_position_embeddings",
+                Some(*original_max_position_embeddings),
+                f("original_max_position_embeddings"),
+            );
+            // Without `factor`, transformers derives it from max_position_embeddings, which
+            // the rope parameters do not hold: `tests/longrope.rs` checks the resulting
+            // attention scaling against transformers' rotary module.
+            same("factor", Some(*factor), f("factor"));
+            same("attention_factor", *attention_factor, f("attention_factor"));
+            for (key, got) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                let want: Option<Vec<f64>> = want[key]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect());
+                if want.as_ref() != Some(got) {
+                    out.push(format!("{key}: got {got:?}, transformers {want:?}"));
+                }
+            }
+        }
         (kind, got) => out.push(format!("rope_type: got {got:?}, transformers '{kind}'")),
     }
     out

@@ -181,7 +181,9 @@ pub struct HfConfig {
     pub max_position_embeddings: Option<usize>,
     /// `n_positions` in `config.json`.
     pub n_positions: Option<usize>,
-    /// `original_max_position_embeddings` in `config.json`.
+    /// `original_max_position_embeddings` in `config.json`: for llama3, yarn and longrope
+    /// ropes shared by every layer it replaces the one in the rope parameters, as
+    /// transformers' `standardize_rope_params` does (Phi3Config's default is 4096).
     pub original_max_position_embeddings: Option<usize>,
     /// `rms_norm_eps` in `config.json`.
     pub rms_norm_eps: Option<f64>,
@@ -240,15 +242,25 @@ impl HfConfig {
         serde_json::from_str(text).map_err(|e| candle::Error::Msg(format!("bad Hugging Face config: {e}")))
     }
 
+    /// `rope_parameters`, unless a non-empty `rope_scaling` replaces it (transformers 5.25's
+    /// `convert_rope_params_to_dict`).
+    fn rope_parameters_in_force(&self) -> Option<&serde_json::Map<String, Value>> {
+        match (&self.rope_scaling, &self.rope_parameters) {
+            (Some(Value::Object(rs)), _) if !rs.is_empty() => None,
+            (_, Some(Value::Object(rp))) => Some(rp),
+            _ => None,
+        }
+    }
+
     /// The rope parameters for `layer_type`, as `convert_rope_params_to_dict` picks them
     /// (transformers 5.25): a non-empty `rope_scaling` (the older spelling) replaces
     /// `rope_parameters` whole; else transformers 5's `rope_parameters`, flat or per layer
     /// type. A theta missing there is the top-level `rope_theta`.
     fn rope_params(&self, layer_type: Option<&str>) -> Value {
         let mut out = serde_json::Map::new();
-        match (&self.rope_scaling, &self.rope_parameters) {
+        match (&self.rope_scaling, self.rope_parameters_in_force()) {
             (Some(Value::Object(rs)), _) if !rs.is_empty() => out.extend(rs.clone()),
-            (_, Some(Value::Object(rp))) => {
+            (_, Some(rp)) => {
                 let nested = layer_type.and_then(|t| rp.get(t)).and_then(Value::as_object);
                 match nested {
                     Some(inner) => out.extend(inner.clone()),
@@ -595,11 +607,46 @@ impl DecoderAttentionConfig {
             .or_else(|| p.get("type"))
             .and_then(Value::as_str)
             .unwrap_or("default");
+        // `Phi3Config.convert_rope_params_to_dict` renames the older "su" and "yarn" to
+        // "longrope", and its `validate_rope` accepts only "default" and "longrope"
+        // (transformers 5.25).
+        let kind = match kind {
+            "su" | "yarn" if arch == "phi3" => "longrope",
+            "default" | "longrope" => kind,
+            other if arch == "phi3" => candle::bail!(
+                "{arch} config: unsupported rope_type '{other}' (Phi3Config accepts default and longrope; \
+                 su and yarn mean longrope)"
+            ),
+            other => other,
+        };
         let need = |key: &str| num(&p, key).ok_or_else(|| missing(arch, &format!("rope_parameters.{key}")));
+        // Phi3Config declares `max_position_embeddings` and `original_max_position_embeddings`,
+        // both 4096 by default.
+        let max_pos = cfg
+            .max_position_embeddings
+            .or((arch == "phi3").then_some(4096))
+            .map(|v| v as f64);
+        // `standardize_rope_params` (transformers 5.25): for one rope shared by every layer, a
+        // top-level `original_max_position_embeddings` replaces the one in the rope parameters
+        // (Phi3Config always has one); a rope nested by layer type keeps its own. Without
+        // either, `max_position_embeddings`.
+        let nested = match (arch, layer_type) {
+            ("gemma3_text", Some(_)) => true,
+            (_, Some(t)) => cfg
+                .rope_parameters_in_force()
+                .is_some_and(|rp| rp.get(t).is_some_and(Value::is_object)),
+            _ => false,
+        };
+        let top_original = match arch {
+            _ if nested => None,
+            "phi3" => Some(cfg.original_max_position_embeddings.unwrap_or(4096)),
+            _ => cfg.original_max_position_embeddings,
+        };
         let original = || -> Result<f64> {
-            num(&p, "original_max_position_embeddings")
-                .or(cfg.original_max_position_embeddings.map(|v| v as f64))
-                .or(cfg.max_position_embeddings.map(|v| v as f64))
+            top_original
+                .map(|v| v as f64)
+                .or(num(&p, "original_max_position_embeddings"))
+                .or(max_pos)
                 .ok_or_else(|| missing(arch, "rope_parameters.original_max_position_embeddings"))
         };
         let scaling = match kind {
@@ -635,8 +682,57 @@ impl DecoderAttentionConfig {
                     truncate: p.get("truncate").and_then(Value::as_bool).unwrap_or(true),
                 }
             }
+            "longrope" => {
+                let original = original()?;
+                // `_compute_longrope_parameters`: `factor`, else max_position_embeddings / original.
+                let factor = match num(&p, "factor") {
+                    Some(f) => f,
+                    None => max_pos.ok_or_else(|| missing(arch, "rope_parameters.factor"))? / original,
+                };
+                let half = rotary_dim / 2;
+                let list = |key: &str| -> Result<Vec<f64>> {
+                    let values = match p.get(key) {
+                        None | Some(Value::Null) => {
+                            return Err(missing(arch, &format!("rope_parameters.{key}")))
+                        }
+                        Some(Value::Array(a)) => a,
+                        Some(other) => {
+                            candle::bail!(
+                                "{arch} config: rope_parameters.{key} must be a list of numbers, got {other}"
+                            )
+                        }
+                    };
+                    let values = values
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| {
+                            v.as_f64().ok_or_else(|| {
+                                candle::Error::Msg(format!(
+                                    "{arch} config: rope_parameters.{key}[{i}] must be a number, got {v}"
+                                ))
+                            })
+                        })
+                        .collect::<Result<Vec<f64>>>()?;
+                    if values.len() != half {
+                        candle::bail!(
+                            "{arch} config: rope_parameters.{key} has {} entries, but the rope rotates \
+                             {rotary_dim} dims of each head (head_dim {head_dim} × partial_rotary_factor {partial}), \
+                             so it needs rotary_dim/2 = {half}",
+                            values.len()
+                        )
+                    }
+                    Ok(values)
+                };
+                RopeScaling::LongRope {
+                    short_factor: list("short_factor")?,
+                    long_factor: list("long_factor")?,
+                    original_max_position_embeddings: original,
+                    factor,
+                    attention_factor: num(&p, "attention_factor"),
+                }
+            }
             other => candle::bail!(
-                "{arch} config: unsupported rope_type '{other}' (default, linear, llama3, yarn)"
+                "{arch} config: unsupported rope_type '{other}' (default, linear, llama3, yarn, longrope)"
             ),
         };
         Ok(RopeConfig {
