@@ -601,6 +601,13 @@ HF_CASES = [
                 attention_bias=True,
                 rope_parameters={"rope_type": "linear", "rope_theta": 100.0, "factor": 2.0}),
            B=1, L=5, steps=4),
+    # dynamic NTK is the plain rope up to max_position_embeddings, and the crate refuses
+    # positions beyond it: the case pins that from_hf takes "dynamic" and matches there
+    HfCase("llama", "llama_dynamic_ntk_within_max_positions",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                max_position_embeddings=16,
+                rope_parameters={"rope_type": "dynamic", "rope_theta": 100.0, "factor": 2.0}),
+           B=2, L=6, steps=4, left_pad=(1, 0)),
     HfCase("mistral", "mistral_sliding_window",
            dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
                 sliding_window=4, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
@@ -1008,7 +1015,8 @@ def hf_window(arch: str, cfg: dict, layer_idx: int) -> int | None:
 def ref_inv_freq(cfg: dict, head_dim: int,
                  seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_factor) from config["rope_parameters"], in float64, for a call
-    whose largest position id is seq_len - 1 (only longrope reads it; None: the short set)."""
+    whose largest position id is seq_len - 1 (only longrope and dynamic read it; None: the
+    short set, the plain rope)."""
     rp = cfg["rope_parameters"]
     base, kind = rp["rope_theta"], rp.get("rope_type", "default")
     dim = int(head_dim * rp.get("partial_rotary_factor", 1.0))
@@ -1018,6 +1026,12 @@ def ref_inv_freq(cfg: dict, head_dim: int,
         return inv, 1.0
     if kind == "linear":
         return inv / rp["factor"], 1.0
+    if kind == "dynamic":                              # plain within max_position_embeddings
+        mpe, factor = cfg["max_position_embeddings"], rp["factor"]
+        if seq_len is None or seq_len <= mpe:
+            return inv, 1.0
+        grown = base * (factor * seq_len / mpe - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / grown ** exps, 1.0
     if kind == "llama3":
         factor, lo, hi = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
         old = rp["original_max_position_embeddings"]
@@ -1405,6 +1419,16 @@ HF_DEFAULTS_LONGROPE_CASES = [
      dict(max_position_embeddings=131072, rope_theta=10000.0,
           rope_scaling=longrope_scaling(key="rope_type",
                                         original_max_position_embeddings=4096)), 1),
+    # dynamic NTK: plain rope up to max_position_embeddings, theta grown past it
+    ("llama", "llama_dynamic_ntk",
+     dict(max_position_embeddings=64, rope_theta=10000.0,
+          rope_scaling={"rope_type": "dynamic", "factor": 2.0}), 1),
+    ("qwen2", "qwen2_dynamic_ntk_old_type_key",
+     dict(max_position_embeddings=128, rope_theta=1000000.0,
+          rope_scaling={"type": "dynamic", "factor": 4.0}), 1),
+    ("gpt_neox", "gpt_neox_dynamic_ntk_partial_rotary",
+     dict(max_position_embeddings=32, rotary_pct=0.5, rotary_emb_base=10000.0,
+          rope_scaling={"rope_type": "dynamic", "factor": 3.0}), 1),
     ("llama", "llama3_top_level_original_wins",
      dict(rope_theta=500000.0, max_position_embeddings=131072,
           original_max_position_embeddings=2048,
@@ -1435,6 +1459,32 @@ def hf_longrope_rotary(modeling, rotary_cls: str, config, params: dict) -> dict:
     return {"attention_scaling": rotary.attention_scaling, "calls": calls}
 
 
+def hf_dynamic_rotary(modeling, rotary_cls: str, config, params: dict) -> dict:
+    """What transformers' rotary module does with a dynamic (NTK) rope, in float64: for calls
+    whose largest position id is just below max_position_embeddings (plain rope), at it and
+    past it (theta grows with the call's length), and well below it again (its state resets
+    to the plain rope), the frequencies it used and cos/sin at that largest position.  The
+    module keeps state between calls; in this growing-then-reset order it equals a rule that
+    looks at each call alone, which the crate follows."""
+    mpe = config.max_position_embeddings
+    calls = []
+    with hf_float64():
+        rotary = getattr(modeling, rotary_cls)(config)
+        plain = rotary.inv_freq.clone()
+        for p in (mpe - 1, mpe, mpe + 5, mpe - 2):
+            cos, sin = rotary(torch.zeros(1, 1, dtype=F64), torch.tensor([[0, p]]))
+            inv = rotary.inv_freq
+            assert inv.dtype == F64 and cos.dtype == F64, (inv.dtype, cos.dtype)
+            assert rotary.attention_scaling == 1.0
+            half = inv.numel()
+            torch.testing.assert_close(cos[0, 1, :half], (p * inv.to(F64)).cos())
+            calls.append({"max_position": p, "inv_freq": inv.tolist(),
+                          "cos": cos[0, 1, :half].tolist(), "sin": sin[0, 1, :half].tolist()})
+    inv = [c["inv_freq"] for c in calls]
+    assert inv[0] == inv[3] == plain.tolist() != inv[1] != inv[2], "no growth or no reset"
+    return {"attention_scaling": rotary.attention_scaling, "calls": calls}
+
+
 def hf_config_defaults_case(arch: str, name: str, config_json: dict, layers: int) -> dict:
     config_cls, module, attn_cls, rotary_cls = HF_DEFAULTS_ARCHS[arch]
     config_json = {"model_type": arch, **HF_DEFAULTS_SIZES, "num_hidden_layers": layers,
@@ -1458,6 +1508,8 @@ def hf_config_defaults_case(arch: str, name: str, config_json: dict, layers: int
                  "rope": dict(sorted(params.items()))}
         if params["rope_type"] == "longrope":
             layer["rotary"] = hf_longrope_rotary(modeling, rotary_cls, config, params)
+        if params["rope_type"] == "dynamic":
+            layer["rotary"] = hf_dynamic_rotary(modeling, rotary_cls, config, params)
         out.append(layer)
     return {"architecture": arch, "name": name, "config": config_json, "layers": out}
 

@@ -1,11 +1,13 @@
 //! Rotary position embeddings (RoPE), both styles, partial rotary dims and the
-//! frequency scalings used by Hugging Face models (linear, Llama-3, YaRN, LongRoPE).
+//! frequency scalings used by Hugging Face models (linear, Llama-3, YaRN, LongRoPE,
+//! dynamic NTK).
 //!
 //! The inverse frequencies follow `transformers.modeling_rope_utils` formula for
 //! formula, in f64. `cos`/`sin` are computed in f64 on CPU (f32 on other devices) and
 //! cast to the activations' dtype. (Hugging Face computes them in f32 even for f64
 //! models; the fixtures' oracle computes them in f64.)
 use candle::{DType, Device, Result, Tensor, D};
+use std::borrow::Cow;
 
 /// How the rotated dims are paired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +91,26 @@ pub enum RopeScaling {
         /// Explicit `cos`/`sin` scaling; `None` derives it from `factor`.
         attention_factor: Option<f64>,
     },
+    /// Dynamic NTK scaling (Hugging Face's `"dynamic"`): plain RoPE for a call whose largest
+    /// position id `p` has `p + 1 <= max_position_embeddings`; beyond, the plain rope with
+    /// `theta · (factor · (p + 1) / max_position_embeddings − (factor − 1))^(d / (d − 2))`
+    /// for `d = rotary_dim` (transformers 5.25, `_compute_dynamic_ntk_parameters`).
+    ///
+    /// [`RotaryEmbedding::cos_sin`] decides on every call from that call's positions alone.
+    /// transformers' rotary module keeps state instead: past `max_position_embeddings` it
+    /// keeps the frequencies of the longest call so far, until a call shorter than
+    /// `max_position_embeddings` resets them. The two agree while calls grow (a prefill
+    /// and its decode steps) and after such a reset; they differ for a call that is shorter
+    /// than an earlier one but still longer than `max_position_embeddings`.
+    /// [`crate::decoder::DecoderAttention`] refuses positions at or beyond
+    /// `max_position_embeddings`, so there dynamic NTK is plain RoPE, exactly as in
+    /// transformers.
+    DynamicNtk {
+        /// Context extension factor (transformers warns below 1).
+        factor: f64,
+        /// The length up to which the rope is plain, `config.max_position_embeddings`.
+        max_position_embeddings: f64,
+    },
 }
 
 /// Configuration of a [`RotaryEmbedding`].
@@ -106,11 +128,17 @@ pub struct RopeConfig {
     pub scaling: RopeScaling,
 }
 
-/// LongRoPE's second frequency set and when it applies.
+/// Frequencies that depend on the length of the call.
 #[derive(Clone, Debug)]
-struct LongFreq {
-    inv_freq: Vec<f64>,
-    original_max_position_embeddings: f64,
+enum ByLength {
+    /// LongRoPE's long set, for calls past `original`.
+    Long { inv_freq: Vec<f64>, original: f64 },
+    /// Dynamic NTK: past `max_position_embeddings`, theta grows with the call's length.
+    Ntk {
+        factor: f64,
+        max_position_embeddings: f64,
+        theta: f64,
+    },
 }
 
 /// Rotary embedding with precomputed inverse frequencies.
@@ -118,8 +146,8 @@ struct LongFreq {
 pub struct RotaryEmbedding {
     /// The frequencies of every call; LongRoPE's short set.
     inv_freq: Vec<f64>,
-    /// LongRoPE's long set.
-    long: Option<LongFreq>,
+    /// LongRoPE's long set, or dynamic NTK's rule.
+    by_length: Option<ByLength>,
     attention_scaling: f64,
     rotary_dim: usize,
     head_dim: usize,
@@ -145,7 +173,7 @@ impl RotaryEmbedding {
             }
             Ok(())
         };
-        let mut long = None;
+        let mut by_length = None;
         let (inv_freq, attention_scaling) = match &cfg.scaling {
             RopeScaling::Default => (base, 1.0),
             RopeScaling::Linear { factor } => {
@@ -291,14 +319,35 @@ impl RotaryEmbedding {
                         .map(|(i, e)| 1.0 / (e * cfg.theta.powf((2 * i) as f64 / dim as f64)))
                         .collect()
                 };
-                long = Some(LongFreq {
+                by_length = Some(ByLength::Long {
                     inv_freq: scaled(long_factor),
-                    original_max_position_embeddings: *old,
+                    original: *old,
                 });
                 (scaled(short_factor), att)
             }
+            RopeScaling::DynamicNtk {
+                factor,
+                max_position_embeddings,
+            } => {
+                positive("factor", *factor)?;
+                positive("max_position_embeddings", *max_position_embeddings)?;
+                if dim <= 2 {
+                    candle::bail!(
+                        "rope: dynamic NTK scaling raises theta to the power d/(d-2), so it needs rotary_dim > 2, got {dim}"
+                    )
+                }
+                by_length = Some(ByLength::Ntk {
+                    factor: *factor,
+                    max_position_embeddings: *max_position_embeddings,
+                    theta: cfg.theta,
+                });
+                (base, 1.0)
+            }
         };
-        let long_freq = long.iter().flat_map(|l| l.inv_freq.iter());
+        let long_freq = match &by_length {
+            Some(ByLength::Long { inv_freq, .. }) => inv_freq.as_slice(),
+            _ => &[],
+        };
         if inv_freq.iter().chain(long_freq).any(|f: &f64| !f.is_finite()) || !attention_scaling.is_finite() {
             candle::bail!(
                 "rope: {:?} gives non-finite frequencies or scaling (inv_freq {inv_freq:?}, scaling {attention_scaling})",
@@ -307,7 +356,7 @@ impl RotaryEmbedding {
         }
         Ok(Self {
             inv_freq,
-            long,
+            by_length,
             attention_scaling,
             rotary_dim: dim,
             head_dim: hd,
@@ -317,7 +366,8 @@ impl RotaryEmbedding {
 
     /// The inverse frequencies, `rotary_dim / 2` of them. For LongRoPE these are the short
     /// set, the one of calls within `original_max_position_embeddings` (transformers'
-    /// `original_inv_freq`); [`Self::long_inv_freq`] is the other one.
+    /// `original_inv_freq`); [`Self::long_inv_freq`] is the other one. For dynamic NTK, those
+    /// of calls within `max_position_embeddings` (see [`Self::inv_freq_for_max_position`]).
     pub fn inv_freq(&self) -> &[f64] {
         &self.inv_freq
     }
@@ -325,16 +375,35 @@ impl RotaryEmbedding {
     /// LongRoPE's long set of inverse frequencies (`rotary_dim / 2` of them); `None` for the
     /// other scalings, which have one set.
     pub fn long_inv_freq(&self) -> Option<&[f64]> {
-        self.long.as_ref().map(|l| l.inv_freq.as_slice())
+        match &self.by_length {
+            Some(ByLength::Long { inv_freq, .. }) => Some(inv_freq),
+            _ => None,
+        }
     }
 
-    /// The inverse frequencies of a call whose largest position id is `max_position`: for
-    /// LongRoPE the long set when `max_position + 1 > original_max_position_embeddings`,
-    /// else the short set; [`Self::inv_freq`] for the other scalings.
-    pub fn inv_freq_for_max_position(&self, max_position: u64) -> &[f64] {
-        match &self.long {
-            Some(l) if max_position as f64 + 1.0 > l.original_max_position_embeddings => &l.inv_freq,
-            _ => &self.inv_freq,
+    /// The inverse frequencies of a call whose largest position id is `max_position`
+    /// (`rotary_dim / 2` of them): for LongRoPE the long set when `max_position + 1 >
+    /// original_max_position_embeddings`, else the short set; for dynamic NTK, those of
+    /// theta grown for a length of `max_position + 1` when that exceeds
+    /// `max_position_embeddings`; [`Self::inv_freq`] otherwise.
+    pub fn inv_freq_for_max_position(&self, max_position: u64) -> Cow<'_, [f64]> {
+        let len = max_position as f64 + 1.0;
+        match &self.by_length {
+            Some(ByLength::Long { inv_freq, original }) if len > *original => Cow::Borrowed(inv_freq),
+            Some(ByLength::Ntk {
+                factor,
+                max_position_embeddings: mpe,
+                theta,
+            }) if len > *mpe => {
+                let d = self.rotary_dim as f64;
+                let base = theta * (factor * len / mpe - (factor - 1.0)).powf(d / (d - 2.0));
+                Cow::Owned(
+                    (0..self.rotary_dim / 2)
+                        .map(|i| 1.0 / base.powf((2 * i) as f64 / d))
+                        .collect(),
+                )
+            }
+            _ => Cow::Borrowed(&self.inv_freq),
         }
     }
 
@@ -355,7 +424,8 @@ impl RotaryEmbedding {
     /// `original_max_position_embeddings` followed by decode steps beyond it mixes short-set
     /// keys with long-set queries. (`Phi3ForCausalLM.prepare_inputs_for_generation` avoids that
     /// in `generate` by dropping the cache once, at the step that crosses, and running the whole
-    /// sequence again; a caller can do the same with a fresh cache.)
+    /// sequence again; a caller can do the same with a fresh cache.) Dynamic NTK scaling
+    /// decides here too, from the same largest position (see [`RopeScaling::DynamicNtk`]).
     pub fn cos_sin(&self, position_ids: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
         let (b, l) = position_ids.dims2().map_err(|_| {
             candle::Error::Msg(format!(
@@ -383,7 +453,7 @@ impl RotaryEmbedding {
         if min < 0 {
             candle::bail!("rope: positions out of range: position_ids contains {min}")
         }
-        let max = match self.long {
+        let max = match self.by_length {
             Some(_) => Some(flat.max(0)?.to_scalar::<i64>()?),
             None => None,
         };
@@ -392,7 +462,7 @@ impl RotaryEmbedding {
 
     /// [`Self::cos_sin`] without the range check, for callers that validated the positions.
     pub(crate) fn cos_sin_unchecked(&self, position_ids: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
-        let max = match self.long {
+        let max = match self.by_length {
             Some(_) if position_ids.elem_count() > 0 => Some(
                 position_ids
                     .to_dtype(DType::I64)?
@@ -406,13 +476,13 @@ impl RotaryEmbedding {
     }
 
     /// `cos`, `sin` with the frequencies of a call whose largest position is `max` (only
-    /// LongRoPE reads it; `None`: the short set).
+    /// LongRoPE and dynamic NTK read it; `None`: [`Self::inv_freq`]).
     fn cos_sin_at(&self, position_ids: &Tensor, dtype: DType, max: Option<i64>) -> Result<(Tensor, Tensor)> {
         let (b, l) = position_ids.dims2()?;
         let dev = position_ids.device();
         let inv_freq = match max {
             Some(m) if m >= 0 => self.inv_freq_for_max_position(m as u64),
-            _ => &self.inv_freq,
+            _ => Cow::Borrowed(self.inv_freq.as_slice()),
         };
         let half = inv_freq.len();
         // f64 on CPU; f32 elsewhere (Metal has no f64).
@@ -422,7 +492,7 @@ impl RotaryEmbedding {
             DType::F32
         };
         let pos = position_ids.to_dtype(cd)?.reshape((b, l, 1))?;
-        let inv = Tensor::from_slice(inv_freq, (1, 1, half), &Device::Cpu)?
+        let inv = Tensor::from_slice(&inv_freq, (1, 1, half), &Device::Cpu)?
             .to_dtype(cd)?
             .to_device(dev)?;
         let freqs = pos.broadcast_mul(&inv)?;

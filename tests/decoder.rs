@@ -634,6 +634,9 @@ fn rope_differences(want: &serde_json::Value, rope: Option<&RopeConfig>) -> Vec<
     match (kind, &rope.scaling) {
         ("default", RopeScaling::Default) => {}
         ("linear", RopeScaling::Linear { factor }) => same("factor", Some(*factor), f("factor")),
+        // Its `max_position_embeddings` is the config's; the recorded calls of transformers'
+        // rotary module past it check that (tests/rope_by_length.rs).
+        ("dynamic", RopeScaling::DynamicNtk { factor, .. }) => same("factor", Some(*factor), f("factor")),
         (
             "llama3",
             RopeScaling::Llama3 {
@@ -700,7 +703,7 @@ fn rope_differences(want: &serde_json::Value, rope: Option<&RopeConfig>) -> Vec<
                 f("original_max_position_embeddings"),
             );
             // Without `factor`, transformers derives it from max_position_embeddings, which
-            // the rope parameters do not hold: `tests/longrope.rs` checks the resulting
+            // the rope parameters do not hold: `tests/rope_by_length.rs` checks the resulting
             // attention scaling against transformers' rotary module.
             same("factor", Some(*factor), f("factor"));
             same("attention_factor", *attention_factor, f("attention_factor"));

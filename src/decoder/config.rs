@@ -654,6 +654,12 @@ impl DecoderAttentionConfig {
             "linear" => RopeScaling::Linear {
                 factor: need("factor")?,
             },
+            // `_compute_dynamic_ntk_parameters` scales from `config.max_position_embeddings`
+            // (which the layer's position check also bounds: within it, the rope is plain).
+            "dynamic" => RopeScaling::DynamicNtk {
+                factor: need("factor")?,
+                max_position_embeddings: max_pos.ok_or_else(|| missing(arch, "max_position_embeddings"))?,
+            },
             "llama3" => RopeScaling::Llama3 {
                 factor: need("factor")?,
                 low_freq_factor: need("low_freq_factor")?,
@@ -732,7 +738,7 @@ impl DecoderAttentionConfig {
                 }
             }
             other => candle::bail!(
-                "{arch} config: unsupported rope_type '{other}' (default, linear, llama3, yarn, longrope)"
+                "{arch} config: unsupported rope_type '{other}' (default, linear, dynamic, llama3, yarn, longrope)"
             ),
         };
         Ok(RopeConfig {

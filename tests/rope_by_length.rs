@@ -1,12 +1,13 @@
-//! LongRoPE (Phi-3-mini-128k, Phi-3.5, Phi-4-mini): the frequencies, the attention factor and
-//! the per-call switch against what transformers computes, and the errors for bad inputs.
+//! Ropes whose frequencies depend on the length of the call: LongRoPE (Phi-3-mini-128k,
+//! Phi-3.5, Phi-4-mini) and dynamic NTK scaling. The frequencies, the attention factor and the
+//! per-call switch against what transformers computes, and the errors for bad inputs.
 //!
 //! Expected values come from files that `scripts/export_fixtures.py` writes with transformers:
-//! `weights/hf_config_defaults.json` records, for each longrope layer, transformers' rotary
-//! module (attention scaling, and frequencies and cos/sin of calls just below, at and again
-//! below the switch); the `hf_attention__phi3_longrope_*` fixtures hold a Phi-3 model's
-//! attention output over a prefill within `original_max_position_embeddings` and decode steps
-//! beyond it.
+//! `weights/hf_config_defaults.json` records, for each longrope or dynamic layer, transformers'
+//! rotary module (attention scaling, and frequencies and cos/sin of calls below, at and past
+//! the switch, then below it again); the `hf_attention__phi3_longrope_*` fixtures hold a Phi-3
+//! model's attention output over a prefill within `original_max_position_embeddings` and
+//! decode steps beyond it.
 mod common;
 use std::path::{Path, PathBuf};
 
@@ -36,9 +37,10 @@ fn rel_diff(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
-/// Every longrope layer of `weights/hf_config_defaults.json`: (case name, architecture,
-/// config, layer index, the layer's record).
-fn longrope_layers() -> Vec<(String, String, HfConfig, usize, Value)> {
+/// Every layer of `weights/hf_config_defaults.json` whose rope type is `kind` and that
+/// carries a record of transformers' rotary module: (case name, architecture, config, layer
+/// index, the layer's record).
+fn rotary_layers(kind: &str) -> Vec<(String, String, HfConfig, usize, Value)> {
     let path = weights().join("hf_config_defaults.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let doc: Value = serde_json::from_str(&text).expect("hf_config_defaults.json is JSON");
@@ -46,7 +48,7 @@ fn longrope_layers() -> Vec<(String, String, HfConfig, usize, Value)> {
     for case in doc["cases"].as_array().expect("a list of cases") {
         let cfg = HfConfig::from_json(&case["config"].to_string()).expect("a config.json");
         for (i, layer) in case["layers"].as_array().unwrap().iter().enumerate() {
-            if layer.get("rotary").is_some() {
+            if layer.get("rotary").is_some() && layer["rope"]["rope_type"] == kind {
                 out.push((
                     case["name"].as_str().unwrap().to_string(),
                     case["architecture"].as_str().unwrap().to_string(),
@@ -65,14 +67,15 @@ fn rope_of(arch: &str, cfg: &HfConfig, layer: usize) -> Result<RotaryEmbedding> 
     RotaryEmbedding::new(dec.rope.as_ref().expect("a rope layer"))
 }
 
-/// The attention scaling, and for each recorded call (largest position just below, at, and
-/// again below the switch) the frequencies and cos/sin, equal transformers' rotary module.
+/// The attention scaling, and for each recorded call (largest position below, at or past the
+/// switch) the frequencies and cos/sin, equal transformers' rotary module.
 #[test]
-fn longrope_frequencies_and_scaling_are_transformers() -> Result<()> {
-    let layers = longrope_layers();
-    assert!(layers.len() >= 12, "{} longrope layers", layers.len());
+fn frequencies_and_scaling_of_each_call_are_transformers() -> Result<()> {
+    let (long, dynamic) = (rotary_layers("longrope"), rotary_layers("dynamic"));
+    assert!(long.len() >= 12, "{} longrope layers", long.len());
+    assert!(dynamic.len() >= 3, "{} dynamic layers", dynamic.len());
     let mut failures = Vec::new();
-    for (name, arch, cfg, i, want) in &layers {
+    for (name, arch, cfg, i, want) in long.iter().chain(&dynamic) {
         let rope = rope_of(arch, cfg, *i)?;
         let rotary = &want["rotary"];
         let att = rotary["attention_scaling"].as_f64().unwrap();
@@ -85,7 +88,7 @@ fn longrope_frequencies_and_scaling_are_transformers() -> Result<()> {
         for call in rotary["calls"].as_array().unwrap() {
             let p = call["max_position"].as_u64().unwrap();
             let inv = floats(&call["inv_freq"]);
-            let err = rel_diff(rope.inv_freq_for_max_position(p), &inv);
+            let err = rel_diff(&rope.inv_freq_for_max_position(p), &inv);
             if err > 1e-15 {
                 failures.push(format!("{name}: inv_freq at max position {p}: rel err {err:.1e}"));
             }
@@ -110,7 +113,7 @@ fn longrope_frequencies_and_scaling_are_transformers() -> Result<()> {
 /// of the whole batch decides for every row.
 #[test]
 fn longrope_switches_per_call_at_the_original_length() -> Result<()> {
-    for (name, arch, cfg, i, want) in longrope_layers() {
+    for (name, arch, cfg, i, want) in rotary_layers("longrope") {
         let rope = rope_of(&arch, &cfg, i)?;
         let old = want["rope"]["original_max_position_embeddings"].as_u64().unwrap();
         let calls = want["rotary"]["calls"].as_array().unwrap();
@@ -396,5 +399,77 @@ fn bad_longrope_configs_are_errors_that_name_the_key() -> Result<()> {
     );
     let msg = err_msg(DecoderAttentionConfig::from_hf("llama", &hf(&json), 0, false));
     assert!(msg.contains("missing field 'rope_parameters.factor'"), "{msg}");
+    Ok(())
+}
+
+fn dynamic(factor: f64, max_position_embeddings: f64) -> RopeScaling {
+    RopeScaling::DynamicNtk {
+        factor,
+        max_position_embeddings,
+    }
+}
+
+/// Dynamic NTK decides from each call alone: plain RoPE up to `max_position_embeddings`,
+/// grown frequencies past it, and plain again for a later short call. (transformers' stateful
+/// module agrees on this order of calls; `hf_config_defaults.json` records it.)
+#[test]
+fn dynamic_ntk_is_plain_rope_within_max_positions_and_decided_per_call() -> Result<()> {
+    let plain = rope(RopeScaling::Default)?;
+    let r = rope(dynamic(2.0, 64.0))?;
+    assert_eq!(r.inv_freq(), plain.inv_freq());
+    assert_eq!(r.long_inv_freq(), None);
+    assert_eq!(r.inv_freq_for_max_position(63), plain.inv_freq());
+    let past = r.inv_freq_for_max_position(64).into_owned();
+    assert_ne!(past, plain.inv_freq());
+    // The lowest frequency (i = 0) is 1 whatever theta; the others shrink as theta grows.
+    assert_eq!(past[0], 1.0);
+    assert!(past[1..].iter().zip(&plain.inv_freq()[1..]).all(|(p, q)| p < q));
+    let cos = |p: i64| -> Result<Vec<f64>> {
+        let (c, _) = r.cos_sin(&Tensor::new(&[[p]], &Device::Cpu)?, DType::F64)?;
+        c.get(0)?.get(0)?.to_vec1::<f64>()
+    };
+    let want = |inv: &[f64], p: f64| -> Vec<f64> { inv.iter().map(|f| (p * f).cos()).collect() };
+    assert!(rel_diff(&cos(64)?, &want(&past, 64.0)) < 1e-15);
+    assert!(rel_diff(&cos(10)?, &want(plain.inv_freq(), 10.0)) < 1e-15);
+    // Empty and huge positions neither panic nor give non-finite tables.
+    let (c, _) = r.cos_sin(&Tensor::zeros((1, 0), DType::I64, &Device::Cpu)?, DType::F32)?;
+    assert_eq!(c.dims(), [1, 0, 4]);
+    assert!(cos(i64::MAX)?.iter().all(|x| x.is_finite()));
+    Ok(())
+}
+
+#[test]
+fn bad_dynamic_ntk_scalings_and_configs_are_errors() -> Result<()> {
+    for (f, m, key) in [
+        (f64::NAN, 64.0, "factor"),
+        (0.0, 64.0, "factor"),
+        (2.0, 0.0, "max_position_embeddings"),
+        (2.0, f64::INFINITY, "max_position_embeddings"),
+    ] {
+        let msg = err_msg(rope(dynamic(f, m)));
+        assert!(msg.contains(key), "{msg}");
+    }
+    // theta grows by the power d/(d-2): a rotary size of 2 divides by zero (transformers
+    // raises ZeroDivisionError).
+    let msg = err_msg(RotaryEmbedding::new(&RopeConfig {
+        head_dim: 8,
+        rotary_dim: 2,
+        theta: 1e4,
+        style: RopeStyle::HalfSplit,
+        scaling: dynamic(2.0, 64.0),
+    }));
+    assert!(msg.contains("rotary_dim > 2") && msg.contains("got 2"), "{msg}");
+    // from_hf: the factor is required, and so is max_position_embeddings, which the rule
+    // scales from (transformers would take the config class's default).
+    from_hf("llama", r#"{"rope_type": "dynamic", "factor": 2.0}"#)?;
+    let msg = err_msg(from_hf("llama", r#"{"rope_type": "dynamic"}"#));
+    assert!(msg.contains("missing field 'rope_parameters.factor'"), "{msg}");
+    let json = r#"{"hidden_size": 32, "num_attention_heads": 4,
+        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}"#;
+    let msg = err_msg(DecoderAttentionConfig::from_hf("llama", &hf(json), 0, false));
+    assert!(msg.contains("missing field 'max_position_embeddings'"), "{msg}");
+    // Phi3Config refuses it.
+    let msg = err_msg(from_hf("phi3", r#"{"rope_type": "dynamic", "factor": 2.0}"#));
+    assert!(msg.contains("'dynamic'") && msg.contains("Phi3Config"), "{msg}");
     Ok(())
 }
