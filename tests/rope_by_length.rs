@@ -343,46 +343,36 @@ fn bad_longrope_configs_are_errors_that_name_the_key() -> Result<()> {
     let lists = r#""short_factor": [1, 1, 1, 1], "long_factor": [1, 2, 3, 4]"#;
     from_hf("phi3", &format!(r#"{{"type": "longrope", {lists}}}"#))?;
     from_hf("llama", &format!(r#"{{"rope_type": "longrope", {lists}}}"#))?;
-    let msg = err_msg(from_hf(
-        "phi3",
-        r#"{"type": "longrope", "long_factor": [1, 2, 3, 4]}"#,
-    ));
-    assert!(
-        msg.contains("missing field 'rope_parameters.short_factor'"),
-        "{msg}"
-    );
-    let msg = err_msg(from_hf(
-        "phi3",
-        r#"{"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": null}"#,
-    ));
-    assert!(
-        msg.contains("missing field 'rope_parameters.long_factor'"),
-        "{msg}"
-    );
-    let msg = err_msg(from_hf(
-        "phi3",
-        r#"{"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": 2.0}"#,
-    ));
-    assert!(
-        msg.contains("rope_parameters.long_factor must be a list"),
-        "{msg}"
-    );
-    let msg = err_msg(from_hf(
-        "phi3",
-        r#"{"type": "longrope", "short_factor": [1, 1, "x", 1], "long_factor": [1, 2, 3, 4]}"#,
-    ));
-    assert!(
-        msg.contains("rope_parameters.short_factor[2] must be a number"),
-        "{msg}"
-    );
+    for (scaling, want) in [
+        (
+            r#"{"type": "longrope", "long_factor": [1, 2, 3, 4]}"#,
+            "missing field 'rope_parameters.short_factor'",
+        ),
+        (
+            r#"{"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": null}"#,
+            "missing field 'rope_parameters.long_factor'",
+        ),
+        (
+            r#"{"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": 2.0}"#,
+            "rope_parameters.long_factor must be a list",
+        ),
+        (
+            r#"{"type": "longrope", "short_factor": [1, 1, "x", 1], "long_factor": [1, 2, 3, 4]}"#,
+            "rope_parameters.short_factor[2] must be a number",
+        ),
+        (
+            r#"{"type": "longrope", "short_factor": [1, 1, 1], "long_factor": [1, 2, 3, 4]}"#,
+            "rope_parameters.short_factor has 3 entries",
+        ),
+    ] {
+        let msg = err_msg(from_hf("phi3", scaling));
+        assert!(msg.contains(want), "{scaling}: {msg}");
+    }
     let msg = err_msg(from_hf(
         "phi3",
         r#"{"type": "longrope", "short_factor": [1, 1, 1], "long_factor": [1, 2, 3, 4]}"#,
     ));
-    assert!(
-        msg.contains("rope_parameters.short_factor has 3 entries") && msg.contains("rotary_dim/2 = 4"),
-        "{msg}"
-    );
+    assert!(msg.contains("rotary_dim/2 = 4"), "{msg}");
     // Phi3Config accepts only default and longrope (su and yarn are renamed longrope).
     let msg = err_msg(from_hf("phi3", r#"{"type": "linear", "factor": 2.0}"#));
     assert!(msg.contains("'linear'") && msg.contains("Phi3Config"), "{msg}");
