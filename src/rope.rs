@@ -460,24 +460,15 @@ impl RotaryEmbedding {
         self.cos_sin_at(position_ids, dtype, max)
     }
 
-    /// [`Self::cos_sin`] without the range check, for callers that validated the positions.
-    pub(crate) fn cos_sin_unchecked(&self, position_ids: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
-        let max = match self.by_length {
-            Some(_) if position_ids.elem_count() > 0 => Some(
-                position_ids
-                    .to_dtype(DType::I64)?
-                    .flatten_all()?
-                    .max(0)?
-                    .to_scalar::<i64>()?,
-            ),
-            _ => None,
-        };
-        self.cos_sin_at(position_ids, dtype, max)
-    }
-
-    /// `cos`, `sin` with the frequencies of a call whose largest position is `max` (only
-    /// LongRoPE and dynamic NTK read it; `None`: [`Self::inv_freq`]).
-    fn cos_sin_at(&self, position_ids: &Tensor, dtype: DType, max: Option<i64>) -> Result<(Tensor, Tensor)> {
+    /// [`Self::cos_sin`] for positions the caller validated (none negative), with the
+    /// frequencies of a call whose largest position is `max` (only LongRoPE and dynamic NTK
+    /// read it; `None`: [`Self::inv_freq`]).
+    pub(crate) fn cos_sin_at(
+        &self,
+        position_ids: &Tensor,
+        dtype: DType,
+        max: Option<i64>,
+    ) -> Result<(Tensor, Tensor)> {
         let (b, l) = position_ids.dims2()?;
         let dev = position_ids.device();
         let inv_freq = match max {

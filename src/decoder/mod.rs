@@ -249,7 +249,8 @@ impl DecoderAttention {
         Ok((q, kv))
     }
 
-    fn check_positions(&self, position_ids: &Tensor, b: usize, l: usize) -> Result<()> {
+    /// Checks `position_ids` `(B, L)` and returns the largest (`None` when empty).
+    fn check_positions(&self, position_ids: &Tensor, b: usize, l: usize) -> Result<Option<i64>> {
         if position_ids.dims() != [b, l] {
             candle::bail!(
                 "attention: position_ids must be (B, L) = ({b}, {l}), got {:?}",
@@ -263,7 +264,7 @@ impl DecoderAttention {
             )
         }
         if b * l == 0 {
-            return Ok(());
+            return Ok(None);
         }
         let flat = position_ids.to_dtype(DType::I64)?.flatten_all()?;
         let (min, max) = (flat.min(0)?.to_scalar::<i64>()?, flat.max(0)?.to_scalar::<i64>()?);
@@ -277,7 +278,7 @@ impl DecoderAttention {
                 )
             }
         }
-        Ok(())
+        Ok(Some(max))
     }
 
     /// Self-attention over `x` `(B, L, hidden)` at `position_ids` `(B, L)`, returning `(B, L, hidden)`.
@@ -298,15 +299,15 @@ impl DecoderAttention {
             candle::bail!("attention: this is a cross-attention layer; use forward_cross")
         }
         let (b, l) = self.check_hidden(x, "hidden_states")?;
-        self.check_positions(position_ids, b, l)?;
+        let max_position = self.check_positions(position_ids, b, l)?;
         let (q, kv) = self.project(x, Some(x))?;
         let (mut q, (mut k, v)) = (
             q,
             kv.ok_or_else(|| candle::Error::Msg("attention: no keys".into()))?,
         );
         if let Some(rope) = &self.rope {
-            // check_positions already validated them.
-            let (cos, sin) = rope.cos_sin_unchecked(position_ids, q.dtype())?;
+            // check_positions already validated them and found the largest.
+            let (cos, sin) = rope.cos_sin_at(position_ids, q.dtype(), max_position)?;
             q = rope.apply(&q.contiguous()?, &cos, &sin)?;
             k = rope.apply(&k.contiguous()?, &cos, &sin)?;
         }
