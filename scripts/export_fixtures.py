@@ -1343,6 +1343,15 @@ HF_DEFAULTS_CASES = [
     ("qwen2", "qwen2_empty_rope_scaling_keeps_rope_parameters",
      dict(rope_scaling={}, rope_parameters={"rope_type": "linear", "factor": 3.0,
                                             "rope_theta": 1000.0}), 1),
+    # each config class reads its own top-level names only (found by a randomised campaign)
+    ("gpt_neox", "gpt_neox_ignores_rope_theta_and_partial_rotary_factor",
+     dict(rope_theta=500.0, partial_rotary_factor=0.5), 1),
+    ("gpt_neox", "gpt_neox_rotary_emb_base_and_rotary_pct_win",
+     dict(rope_theta=500.0, rotary_emb_base=2000.0, partial_rotary_factor=0.25, rotary_pct=0.5), 1),
+    ("llama", "llama_ignores_rotary_emb_base", dict(rotary_emb_base=2000.0), 1),
+    ("phi3", "phi3_ignores_rotary_pct", dict(rope_theta=10000.0, rotary_pct=0.5), 1),
+    ("gpt_oss", "gpt_oss_empty_rope_scaling_is_no_rope",
+     dict(sliding_window=128, rope_theta=150000.0, rope_scaling={}), 2),
     # no rope_theta (nor rotary_pct): the config classes' defaults
     ("llama", "llama_no_rope_theta", dict(), 1),
     ("phi3", "phi3_no_rope_theta", dict(), 1),

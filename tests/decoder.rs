@@ -495,9 +495,9 @@ fn both_rope_spellings_give_the_same_layer() -> Result<()> {
     Ok(())
 }
 
-/// `partial_rotary_factor` as Hugging Face's modeling code reads it: GPT-NeoX
-/// (`rotary_pct` too) and Phi-3 rotate that share of the head; Llama, Mistral and Qwen2
-/// ignore it and rotate the whole head.
+/// `partial_rotary_factor` as Hugging Face's modeling code reads it: GPT-NeoX (from its rope
+/// parameters, else `rotary_pct`) and Phi-3 rotate that share of the head; Llama, Mistral
+/// and Qwen2 ignore it and rotate the whole head.
 #[test]
 fn partial_rotary_follows_each_architectures_modeling() -> Result<()> {
     let rot = |arch: &str, json: &str| -> Result<usize> {
@@ -513,8 +513,11 @@ fn partial_rotary_follows_each_architectures_modeling() -> Result<()> {
             assert_eq!(rot(arch, json)?, 8, "{arch}");
         }
         assert_eq!(rot("phi3", json)?, 4);
-        assert_eq!(rot("gpt_neox", json)?, 4);
     }
+    // GPTNeoXConfig reads the factor from the rope parameters or `rotary_pct` (default
+    // 0.25), never from a top-level `partial_rotary_factor` (hf_config_defaults.json).
+    assert_eq!(rot("gpt_neox", nested)?, 4);
+    assert_eq!(rot("gpt_neox", top)?, 2);
     let pct = r#"{"hidden_size": 32, "num_attention_heads": 4, "rope_theta": 1e4, "rotary_pct": 0.25}"#;
     assert_eq!(rot("gpt_neox", pct)?, 2);
     Ok(())

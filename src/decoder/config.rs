@@ -162,13 +162,16 @@ pub struct HfConfig {
     pub sliding_window_pattern: Option<usize>,
     /// `attention_bias` in `config.json`.
     pub attention_bias: Option<bool>,
-    /// `partial_rotary_factor` in `config.json`.
+    /// `partial_rotary_factor` in `config.json` (Phi-3; GPT-NeoX's config class ignores it
+    /// at the top level).
     pub partial_rotary_factor: Option<f64>,
-    /// GPT-NeoX's older name for `partial_rotary_factor`.
+    /// GPT-NeoX's name for `partial_rotary_factor`, the only one its config class reads at
+    /// the top level.
     pub rotary_pct: Option<f64>,
-    /// `rope_theta` in `config.json`.
+    /// `rope_theta` in `config.json` (ignored at the top level for GPT-NeoX).
     pub rope_theta: Option<f64>,
-    /// GPT-NeoX's older name for `rope_theta`.
+    /// GPT-NeoX's name for `rope_theta`, the only one its config class reads at the top
+    /// level.
     pub rotary_emb_base: Option<f64>,
     /// transformers < 5: `{"rope_type"|"type", "factor", …}`.
     pub rope_scaling: Option<Value>,
@@ -255,8 +258,9 @@ impl HfConfig {
     /// The rope parameters for `layer_type`, as `convert_rope_params_to_dict` picks them
     /// (transformers 5.25): a non-empty `rope_scaling` (the older spelling) replaces
     /// `rope_parameters` whole; else transformers 5's `rope_parameters`, flat or per layer
-    /// type. A theta missing there is the top-level `rope_theta`.
-    fn rope_params(&self, layer_type: Option<&str>) -> Value {
+    /// type. A theta missing there is the top-level `rope_theta`, or for GPT-NeoX, whose
+    /// config class reads only its own names, `rotary_emb_base`.
+    fn rope_params(&self, arch: &str, layer_type: Option<&str>) -> Value {
         let mut out = serde_json::Map::new();
         match (&self.rope_scaling, self.rope_parameters_in_force()) {
             (Some(Value::Object(rs)), _) if !rs.is_empty() => out.extend(rs.clone()),
@@ -269,7 +273,11 @@ impl HfConfig {
             }
             _ => {}
         }
-        let theta = self.rope_theta.or(self.rotary_emb_base);
+        let theta = if arch == "gpt_neox" {
+            self.rotary_emb_base
+        } else {
+            self.rope_theta
+        };
         if let Some(t) = theta {
             out.entry("rope_theta").or_insert(Value::from(t));
         }
@@ -305,7 +313,7 @@ impl HfConfig {
         let theta = if layer_type == SLIDING {
             Some(self.rope_local_base_freq.unwrap_or(10_000.0))
         } else {
-            self.rope_theta.or(self.rotary_emb_base)
+            self.rope_theta
         };
         if let Some(t) = theta {
             out.entry("rope_theta").or_insert(Value::from(t));
@@ -559,9 +567,14 @@ impl DecoderAttentionConfig {
     ) -> Result<RopeConfig> {
         let p = match (arch, layer_type) {
             ("gemma3_text", Some(t)) => cfg.gemma3_rope_params(arch, t)?,
-            _ => cfg.rope_params(layer_type),
+            _ => cfg.rope_params(arch, layer_type),
         };
-        let named = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+        // `rope_scaling: {}` names no rope: transformers' `rope_scaling or rope_parameters`
+        // skips an empty dict.
+        let named = |v: &Option<Value>| {
+            v.as_ref()
+                .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
+        };
         let p = if arch == "gpt_oss" && !named(&cfg.rope_scaling) && !named(&cfg.rope_parameters) {
             // `GptOssConfig.__post_init__` (transformers 5.25): yarn ×32 when config.json
             // names no rope.
@@ -592,14 +605,17 @@ impl DecoderAttentionConfig {
         // (Llama, Mistral, Qwen2/3, Gemma 2/3, gpt-oss) compute the default rope over the
         // whole head and ignore `partial_rotary_factor` (transformers 5.25; with a scaled
         // rope type they apply it to the frequencies and then fail on the shapes).
-        let partial = if matches!(arch, "gpt_neox" | "phi3") {
-            num(&p, "partial_rotary_factor")
-                .or(cfg.partial_rotary_factor)
+        // A factor missing from the rope parameters is the top-level one: `rotary_pct`
+        // (default 0.25) for GPT-NeoX, whose config class ignores `partial_rotary_factor`
+        // there, and `partial_rotary_factor` (default 1) for Phi-3.
+        let partial = match arch {
+            "gpt_neox" => num(&p, "partial_rotary_factor")
                 .or(cfg.rotary_pct)
-                // GPTNeoXConfig's default `rotary_pct` is 0.25; Phi3Config's factor is 1.
-                .unwrap_or(if arch == "gpt_neox" { 0.25 } else { 1.0 })
-        } else {
-            1.0
+                .unwrap_or(0.25),
+            "phi3" => num(&p, "partial_rotary_factor")
+                .or(cfg.partial_rotary_factor)
+                .unwrap_or(1.0),
+            _ => 1.0,
         };
         let rotary_dim = (head_dim as f64 * partial) as usize;
         let kind = p
