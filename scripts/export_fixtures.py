@@ -1446,16 +1446,16 @@ HF_DEFAULTS_LONGROPE_CASES = [
 ]
 
 
-def hf_longrope_rotary(modeling, rotary_cls: str, config, params: dict) -> dict:
-    """What transformers' rotary module does with a longrope config, in float64: its
-    attention scaling, and for calls whose largest position id is just below the switch, at
-    it, and below it again, the frequencies it used and cos/sin at that largest position
-    (the first rotary_dim/2 entries; the rest repeat them)."""
-    old = params["original_max_position_embeddings"]
+def hf_rotary_calls(modeling, rotary_cls: str, config, positions) -> dict:
+    """Runs one transformers rotary module in float64 over calls whose largest position id
+    is each of `positions`, in that order (the module may keep state between them): its
+    attention scaling, and per call the frequencies it used and cos/sin at that largest
+    position (the first rotary_dim/2 entries; the rest repeat them)."""
     calls = []
     with hf_float64():
         rotary = getattr(modeling, rotary_cls)(config)
-        for p in (old - 1, old, old - 1):
+        plain = rotary.inv_freq.tolist()
+        for p in positions:
             cos, sin = rotary(torch.zeros(1, 1, dtype=F64), torch.tensor([[0, p]]))
             inv = rotary.inv_freq
             assert inv.dtype == F64 and cos.dtype == F64, (inv.dtype, cos.dtype)
@@ -1464,34 +1464,31 @@ def hf_longrope_rotary(modeling, rotary_cls: str, config, params: dict) -> dict:
             torch.testing.assert_close(cos[0, 1, :half], ang.cos() * rotary.attention_scaling)
             calls.append({"max_position": p, "inv_freq": inv.tolist(),
                           "cos": cos[0, 1, :half].tolist(), "sin": sin[0, 1, :half].tolist()})
-    assert calls[0]["inv_freq"] == calls[2]["inv_freq"] != calls[1]["inv_freq"], "no switch"
-    return {"attention_scaling": rotary.attention_scaling, "calls": calls}
+    return {"attention_scaling": rotary.attention_scaling, "calls": calls, "plain": plain}
+
+
+def hf_longrope_rotary(modeling, rotary_cls: str, config, params: dict) -> dict:
+    """What transformers' rotary module does with a longrope config: calls whose largest
+    position id is just below the switch, at it, and below it again."""
+    old = params["original_max_position_embeddings"]
+    out = hf_rotary_calls(modeling, rotary_cls, config, (old - 1, old, old - 1))
+    inv = [c["inv_freq"] for c in out["calls"]]
+    assert inv[0] == inv[2] != inv[1], "no switch"
+    return {"attention_scaling": out["attention_scaling"], "calls": out["calls"]}
 
 
 def hf_dynamic_rotary(modeling, rotary_cls: str, config, params: dict) -> dict:
-    """What transformers' rotary module does with a dynamic (NTK) rope, in float64: for calls
-    whose largest position id is just below max_position_embeddings (plain rope), at it and
-    past it (theta grows with the call's length), and well below it again (its state resets
-    to the plain rope), the frequencies it used and cos/sin at that largest position.  The
-    module keeps state between calls; in this growing-then-reset order it equals a rule that
-    looks at each call alone, which the crate follows."""
+    """What transformers' rotary module does with a dynamic (NTK) rope: calls whose largest
+    position id is just below max_position_embeddings (plain rope), at it and past it (theta
+    grows with the call's length), and well below it again (its state resets to the plain
+    rope).  The module keeps state between calls; in this growing-then-reset order it equals
+    a rule that looks at each call alone, which the crate follows."""
     mpe = config.max_position_embeddings
-    calls = []
-    with hf_float64():
-        rotary = getattr(modeling, rotary_cls)(config)
-        plain = rotary.inv_freq.clone()
-        for p in (mpe - 1, mpe, mpe + 5, mpe - 2):
-            cos, sin = rotary(torch.zeros(1, 1, dtype=F64), torch.tensor([[0, p]]))
-            inv = rotary.inv_freq
-            assert inv.dtype == F64 and cos.dtype == F64, (inv.dtype, cos.dtype)
-            assert rotary.attention_scaling == 1.0
-            half = inv.numel()
-            torch.testing.assert_close(cos[0, 1, :half], (p * inv.to(F64)).cos())
-            calls.append({"max_position": p, "inv_freq": inv.tolist(),
-                          "cos": cos[0, 1, :half].tolist(), "sin": sin[0, 1, :half].tolist()})
-    inv = [c["inv_freq"] for c in calls]
-    assert inv[0] == inv[3] == plain.tolist() != inv[1] != inv[2], "no growth or no reset"
-    return {"attention_scaling": rotary.attention_scaling, "calls": calls}
+    out = hf_rotary_calls(modeling, rotary_cls, config, (mpe - 1, mpe, mpe + 5, mpe - 2))
+    assert out["attention_scaling"] == 1.0
+    inv = [c["inv_freq"] for c in out["calls"]]
+    assert inv[0] == inv[3] == out["plain"] != inv[1] != inv[2], "no growth or no reset"
+    return {"attention_scaling": out["attention_scaling"], "calls": out["calls"]}
 
 
 def hf_config_defaults_case(arch: str, name: str, config_json: dict, layers: int) -> dict:

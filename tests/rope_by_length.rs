@@ -346,33 +346,28 @@ fn bad_longrope_configs_are_errors_that_name_the_key() -> Result<()> {
     for (scaling, want) in [
         (
             r#"{"type": "longrope", "long_factor": [1, 2, 3, 4]}"#,
-            "missing field 'rope_parameters.short_factor'",
+            &["missing field 'rope_parameters.short_factor'"][..],
         ),
         (
             r#"{"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": null}"#,
-            "missing field 'rope_parameters.long_factor'",
+            &["missing field 'rope_parameters.long_factor'"],
         ),
         (
             r#"{"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": 2.0}"#,
-            "rope_parameters.long_factor must be a list",
+            &["rope_parameters.long_factor must be a list"],
         ),
         (
             r#"{"type": "longrope", "short_factor": [1, 1, "x", 1], "long_factor": [1, 2, 3, 4]}"#,
-            "rope_parameters.short_factor[2] must be a number",
+            &["rope_parameters.short_factor[2] must be a number"],
         ),
         (
             r#"{"type": "longrope", "short_factor": [1, 1, 1], "long_factor": [1, 2, 3, 4]}"#,
-            "rope_parameters.short_factor has 3 entries",
+            &["rope_parameters.short_factor has 3 entries", "rotary_dim/2 = 4"],
         ),
     ] {
         let msg = err_msg(from_hf("phi3", scaling));
-        assert!(msg.contains(want), "{scaling}: {msg}");
+        assert!(want.iter().all(|w| msg.contains(w)), "{scaling}: {msg}");
     }
-    let msg = err_msg(from_hf(
-        "phi3",
-        r#"{"type": "longrope", "short_factor": [1, 1, 1], "long_factor": [1, 2, 3, 4]}"#,
-    ));
-    assert!(msg.contains("rotary_dim/2 = 4"), "{msg}");
     // Phi3Config accepts only default and longrope (su and yarn are renamed longrope).
     let msg = err_msg(from_hf("phi3", r#"{"type": "linear", "factor": 2.0}"#));
     assert!(msg.contains("'linear'") && msg.contains("Phi3Config"), "{msg}");
