@@ -363,6 +363,20 @@ fn larger_prefill_blocks() -> Result<()> {
 }
 
 #[test]
+fn a_32_mib_output_matches_the_reference() -> Result<()> {
+    // B1 H4 L16384 Ev128 f32: 32 MiB, the size from which the kernel asks Linux for
+    // huge pages before writing its output (few keys and a short E keep it cheap).
+    let mut rng = Rng(0x32_3232);
+    let mut c = base(1, 4, 4, 16384, 40, 8);
+    c.ev = 128;
+    c.causal = Some(Causal {
+        offset: 0,
+        window: None,
+    });
+    run_case(&mut rng, &c)
+}
+
+#[test]
 fn decode_split_k() -> Result<()> {
     // Few groups and a long key range exercise the split-K / LSE merge path.
     let mut rng = Rng(2024);

@@ -31,6 +31,21 @@ fn projection_matches_candle_matmul() -> Result<()> {
     Ok(())
 }
 
+/// An output of 32 MiB (8192 × 1024 f32), the size from which the kernel asks Linux
+/// for huge pages before writing it, matches the reference like small ones.
+#[test]
+fn a_32_mib_output_matches_candle_matmul() -> Result<()> {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, (8192, 8), &dev)?;
+    let w = Tensor::randn(0f32, 0.3, (1024, 8), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, 1024, &dev)?;
+    let got = Proj::new(w.clone(), Some(b.clone())).forward(&x)?;
+    let want = Proj::matmul_bias_reference(&x, &w, Some(&b))?;
+    let err = rel_err(&got, &want)?;
+    assert!(err < 1e-5, "err {err}");
+    Ok(())
+}
+
 /// f16/bf16 weights (as loaded from a half-precision checkpoint) with f16, bf16 or f32
 /// inputs: the product is the f32 product of the converted values (the CPU kernel
 /// converts the weight while packing it), on shapes with full 16×16 weight blocks, a

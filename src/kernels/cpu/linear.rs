@@ -75,7 +75,9 @@ fn new_output(
 ) -> Result<Tensor> {
     let (rows, _) = x.dims2()?;
     let mut y: Vec<f32> = Vec::with_capacity(rows * out);
-    write(&mut y.spare_capacity_mut()[..rows * out])?;
+    let spare = &mut y.spare_capacity_mut()[..rows * out];
+    super::pages::advise_fresh_output(spare);
+    write(spare)?;
     // SAFETY: `write` returned Ok, so it wrote all `rows · out` elements.
     unsafe { y.set_len(rows * out) };
     Tensor::from_vec(y, (rows, out), x.device())
