@@ -651,6 +651,21 @@ HF_CASES = [
                 sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                 rope_parameters=GEMMA3_ROPE),
            layer_idx=1, B=2, L=5, steps=4, left_pad=(0, 1), param_std=0.3),
+    # Gemma 3 with use_bidirectional_attention (EmbeddingGemma): no causal mask, and the
+    # sliding layers see |i - j| < sliding_window // 2 + 1 (Gemma3TextConfig halves the window).
+    # An encoder: one call over the whole sequence, no decode steps.
+    HfCase("gemma3_text", "gemma3_text_bidirectional_sliding_leftpad",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=6,
+                query_pre_attn_scalar=24, use_bidirectional_attention=True,
+                rope_parameters=GEMMA3_ROPE),
+           B=2, L=11, steps=0, left_pad=(0, 3), all_dtypes=True, param_std=0.3),
+    HfCase("gemma3_text", "gemma3_text_bidirectional_full_layer1",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                sliding_window=4, query_pre_attn_scalar=24, use_bidirectional_attention=True,
+                rope_parameters=GEMMA3_ROPE),
+           layer_idx=1, B=2, L=7, steps=0, left_pad=(2, 0), param_std=0.3),
     HfCase("phi3", "phi3_packed_qkv_partial_sliding_leftpad",
            dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
                 sliding_window=3,
@@ -924,6 +939,18 @@ def build_hf_attention(c: HfCase, dtype: torch.dtype) -> Fixture:
         capped = reference_hf_attention(fx, gemma3_softcap=True)
         moved = ((capped - ref)[valid].abs().max() / ref[valid].abs().max()).item()
         assert moved > 0.05, f"hf/{c.name}: the softcap would change the output by {moved:.1e} only"
+    #    A bidirectional case pins both halves of the rule: the causal mask, or the window
+    #    as config.json writes it (not halved), must move the output well beyond the loosest
+    #    (bf16) tolerance.
+    if config.get("use_bidirectional_attention"):
+        variants = ["causal"] + (["unhalved_window"] if hf_window(c.arch, config, c.layer_idx) else [])
+        for variant in variants:
+            other = reference_hf_attention(fx, bidirectional=variant)
+            moved = ((other - ref)[valid].abs().max() / ref[valid].abs().max()).item()
+            assert moved > 0.05, f"hf/{c.name}: '{variant}' would change the output by {moved:.1e} only"
+            if dtype == F64:
+                print(f"  hf/{c.name}: the '{variant}' variant moves the output by {moved:.0%}")
+        return fx                      # an encoder: the crate runs it without a cache
     # 3. The cache is the kind the README describes.
     hf_check_cache(c, run, cache)
     return fx
@@ -992,7 +1019,8 @@ def hf_stock_deviation(c: HfCase, fx: Fixture) -> float:
     got = torch.cat([out] + step_outs, 1)
     want = torch.cat([fx.outputs["attn_output"]]
                      + [fx.outputs[f"step{i}.attn_output"] for i in range(1, c.steps + 1)], 1)
-    mask = (fx.inputs.get(f"step{c.steps}.attention_mask")
+    last = f"step{c.steps}.attention_mask" if c.steps else "attention_mask"
+    mask = (fx.inputs.get(last)
             if "attention_mask" in fx.inputs else torch.ones(got.shape[:2], dtype=torch.bool))
     return ((got - want)[mask].abs().max() / want[mask].abs().max()).item()
 
@@ -1003,12 +1031,18 @@ def hf_stock_deviation(c: HfCase, fx: Fixture) -> float:
 def hf_window(arch: str, cfg: dict, layer_idx: int) -> int | None:
     """The window of layer `layer_idx`, from a `config.to_dict()` (where the config class
     has filled in `layer_types` and, for Qwen, cleared `sliding_window` unless
-    `use_sliding_window`).  Mistral and Phi-3 use `sliding_window` on every layer."""
+    `use_sliding_window`).  Mistral and Phi-3 use `sliding_window` on every layer.  A
+    bidirectional Gemma 3 layer's is the bound on |i - j| that Gemma3TextConfig derives."""
     if arch in ("mistral", "phi3"):
         return cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss"):
         sliding = cfg["layer_types"][layer_idx] == "sliding_attention"
-        return cfg["sliding_window"] if sliding else None
+        if not sliding or cfg["sliding_window"] is None:
+            return None
+        if arch == "gemma3_text" and cfg.get("use_bidirectional_attention"):
+            # Gemma3TextConfig halves it (the bound on |i - j|); to_dict writes the original.
+            return cfg["sliding_window"] // 2 + 1
+        return cfg["sliding_window"]
     return None
 
 
@@ -1093,7 +1127,8 @@ def ref_alibi_slopes(n: int) -> torch.Tensor:
 
 
 def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False,
-                           rope_calls: str = "per_call") -> torch.Tensor:
+                           rope_calls: str = "per_call",
+                           bidirectional: str = "as_config") -> torch.Tensor:
     """The attention output for the whole sequence (prefill, then every step),
     computed in float64 without a cache from the fixture's config, call,
     params and inputs only, exactly as the README describes.
@@ -1107,7 +1142,13 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False,
     batch row instead of once for the call.
 
     `gemma3_softcap=True` applies a Gemma 3 config's `attn_logit_softcapping`,
-    which transformers does not: the counterfactual that shows a case pins that."""
+    which transformers does not: the counterfactual that shows a case pins that.
+
+    With Gemma 3's `use_bidirectional_attention`, a query sees every real key, and on a
+    sliding layer those less than `sliding_window // 2 + 1` positions away on either side
+    (config.json holds the window before Gemma3TextConfig halves it).  Counterfactuals:
+    `bidirectional="causal"` ignores the flag, `"unhalved_window"` takes the distance bound
+    from config.json's window as it stands."""
     cfg = json.loads(json.dumps(fx.config))
     arch, li = fx.metadata["architecture"], fx.call["layer_idx"]
     P = fx.params
@@ -1138,7 +1179,7 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False,
         assert t0 == q.shape[2]
         return torch.cat(qs, 2), torch.cat(ks, 2)
     B, T, E = x.shape
-    mask = fx.inputs.get(f"step{steps}.attention_mask")
+    mask = fx.inputs.get(f"step{steps}.attention_mask" if steps else "attention_mask")
     pad = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
     lin = lambda t, w, b=None: F.linear(t, P[w], P.get(b) if b else None)  # noqa: E731
 
@@ -1174,6 +1215,13 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False,
             softcap = cfg.get("attn_logit_softcapping")
         sinks = P["sinks"] if arch == "gpt_oss" else None
         window = hf_window(arch, cfg, li)
+        assert bidirectional in ("as_config", "causal", "unhalved_window"), bidirectional
+        if arch == "gemma3_text" and cfg.get("use_bidirectional_attention") and bidirectional != "causal":
+            causal = False
+            if window is not None:
+                reach = cfg["sliding_window"] if bidirectional == "unhalved_window" else window
+                t = torch.arange(T)
+                near = ((t[None, :] - t[:, None]).abs() < reach)[None, None]
         out_w, out_b = "o_proj.weight", "o_proj.bias"
     elif arch == "gpt2":
         H = cfg["n_head"]
@@ -1223,6 +1271,9 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False,
         vis = (t[None, :] <= t[:, None])[None, None] & pad[:, None, None, :]
         if window is not None:
             vis = vis & (t[None, :] > t[:, None] - window)[None, None]
+        logits = logits.masked_fill(~vis, -math.inf)
+    elif arch == "gemma3_text":                                # bidirectional: padding, distance
+        vis = pad[:, None, None, :] & (near if window is not None else True)
         logits = logits.masked_fill(~vis, -math.inf)
     if sinks is not None:
         sink = sinks[None, :, None, None].expand(B, H, T, 1)
@@ -1324,6 +1375,12 @@ HF_DEFAULTS_CASES = [
     ("gemma3_text", "gemma3_no_window_key",
      dict(sliding_window_pattern=2, query_pre_attn_scalar=8), 2),
     ("gpt_oss", "gpt_oss_no_window_key", dict(rope_theta=150000.0), 2),
+    # use_bidirectional_attention (EmbeddingGemma): Gemma3TextConfig halves the window
+    ("gemma3_text", "gemma3_bidirectional_window_halved",
+     dict(sliding_window=512, use_bidirectional_attention=True, sliding_window_pattern=2,
+          query_pre_attn_scalar=8), 2),
+    ("gemma3_text", "gemma3_bidirectional_no_window_key",
+     dict(use_bidirectional_attention=True, sliding_window_pattern=2, query_pre_attn_scalar=8), 2),
     ("qwen2", "qwen2_sliding_no_window_key",
      dict(use_sliding_window=True, max_window_layers=1, rope_theta=1000000.0), 2),
     ("qwen3", "qwen3_sliding_no_window_key",
@@ -1508,10 +1565,13 @@ def hf_config_defaults_case(arch: str, name: str, config_json: dict, layers: int
         nested = isinstance(rotary.rope_type, dict)       # Gemma 3: one rope per layer type
         params = dict(rope[layer_type] if nested else rope)
         assert params["rope_type"] == (rotary.rope_type[layer_type] if nested else rotary.rope_type)
-        window = hf_modeling_window(getattr(modeling, attn_cls)(config, i), config)
+        attn = getattr(modeling, attn_cls)(config, i)
+        window = hf_modeling_window(attn, config)
         assert window == hf_window(arch, as_dict, i), (name, i, window)
         layer = {"layer_type": layer_type, "sliding_window": window,
                  "rope": dict(sorted(params.items()))}
+        if not getattr(attn, "is_causal", True):
+            layer["bidirectional"] = True
         if params["rope_type"] == "longrope":
             layer["rotary"] = hf_longrope_rotary(modeling, rotary_cls, config, params)
         if params["rope_type"] == "dynamic":

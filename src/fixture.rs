@@ -493,7 +493,12 @@ impl Ctx<'_> {
         let cross = self.flag(call, "cross_attention", false)?;
         let cfg = DecoderAttentionConfig::from_hf(arch, &hf, layer_idx, cross)?;
         let layer = DecoderAttention::new(&cfg, self.params())?.with_backend(self.opts.backend);
-        let mut cache = layer.new_cache()?;
+        // A bidirectional layer encodes the whole sequence in one call, without a cache.
+        let mut cache = if cfg.bidirectional {
+            None
+        } else {
+            Some(layer.new_cache()?)
+        };
         let mut outs = Vec::new();
         let mut step = 0usize;
         loop {
@@ -513,10 +518,10 @@ impl Ctx<'_> {
                 } else {
                     None
                 };
-                layer.forward_cross(&x, enc.as_ref(), Some(&mut cache))?
+                layer.forward_cross(&x, enc.as_ref(), cache.as_mut())?
             } else {
                 let pos = self.input(&format!("{p}position_ids"))?;
-                layer.forward_cached(&x, &pos, mask.as_ref(), Some(&mut cache))?
+                layer.forward_cached(&x, &pos, mask.as_ref(), cache.as_mut())?
             };
             // Rows of padding queries are unspecified: compare real tokens only.
             let l = x.dim(1)?;

@@ -38,6 +38,7 @@ fn llama_like(window: Option<usize>) -> DecoderAttentionConfig {
         softcap: Some(20.0),
         sinks: true,
         sliding_window: window,
+        bidirectional: false,
         scale: 8f64.powf(-0.5),
         cross_attention: false,
         max_position_embeddings: Some(64),
@@ -760,6 +761,13 @@ fn hf_configs_without_layer_types_give_each_layer_what_transformers_derives() ->
                     want["layer_type"], got.sliding_window
                 ));
             }
+            let want_bidirectional = want["bidirectional"].as_bool().unwrap_or(false);
+            if got.bidirectional != want_bidirectional {
+                failures.push(format!(
+                    "{name} layer {i} ({}): bidirectional {}, transformers {want_bidirectional}",
+                    want["layer_type"], got.bidirectional
+                ));
+            }
             for d in rope_differences(&want["rope"], got.rope.as_ref()) {
                 failures.push(format!("{name} layer {i} ({}): {d}", want["layer_type"]));
             }
@@ -885,5 +893,90 @@ fn absent_null_and_numeric_sliding_window_stay_distinct() -> Result<()> {
         let text = serde_json::to_string(cfg).expect("HfConfig serializes");
         assert_eq!(&HfConfig::from_json(&text)?, cfg, "{text}");
     }
+    Ok(())
+}
+
+/// Gemma 3's `use_bidirectional_attention` (EmbeddingGemma): every layer attends both
+/// ways, a sliding layer to the tokens less than `sliding_window / 2 + 1` positions away
+/// (`Gemma3TextConfig` halves the window; the `hf_attention` bidirectional fixtures check
+/// the outputs against transformers). A cache, a window of 0 and the flag on Gemma 2 are
+/// errors; other architectures have no such key and ignore it.
+#[test]
+fn bidirectional_layers_attend_both_ways_within_the_window() -> Result<()> {
+    let base = r#""hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "query_pre_attn_scalar": 8, "rope_theta": 100.0,
+        "use_bidirectional_attention": true,
+        "layer_types": ["sliding_attention", "full_attention"]"#;
+    let layer = |extra: &str, arch: &str, idx: usize| {
+        DecoderAttentionConfig::from_hf(arch, &hf(&format!("{{{base}{extra}}}")), idx, false)
+    };
+    let got = |c: DecoderAttentionConfig| (c.bidirectional, c.sliding_window);
+    assert_eq!(
+        got(layer(r#", "sliding_window": 512"#, "gemma3_text", 0)?),
+        (true, Some(257))
+    );
+    assert_eq!(
+        got(layer(r#", "sliding_window": 7"#, "gemma3_text", 0)?),
+        (true, Some(4))
+    );
+    assert_eq!(got(layer("", "gemma3_text", 0)?), (true, Some(2049)));
+    assert_eq!(
+        got(layer(r#", "sliding_window": null"#, "gemma3_text", 0)?),
+        (true, None)
+    );
+    assert_eq!(
+        got(layer(r#", "sliding_window": 512"#, "gemma3_text", 1)?),
+        (true, None)
+    );
+    assert_eq!(
+        got(layer(r#", "sliding_window": 512"#, "llama", 0)?),
+        (false, None)
+    );
+    assert_eq!(
+        got(layer(r#", "sliding_window": 512"#, "mistral", 0)?),
+        (false, Some(512))
+    );
+    let e = err_msg(layer(r#", "sliding_window": 512"#, "gemma2", 0));
+    assert!(
+        e.contains("use_bidirectional_attention is not supported for gemma2"),
+        "{e}"
+    );
+
+    // Which outputs a change of token 5 reaches: |i - 5| < 3 with a window of 3, all of
+    // them without one.
+    let x = randn(&[1, 10, 24])?;
+    let bump = x.narrow(1, 5, 1)?.affine(1.0, 0.5)?;
+    let x2 = Tensor::cat(&[x.narrow(1, 0, 5)?, bump, x.narrow(1, 6, 4)?], 1)?;
+    for (window, reached) in [(Some(3), vec![3, 4, 5, 6, 7]), (None, (0..10).collect())] {
+        let cfg = DecoderAttentionConfig {
+            bidirectional: true,
+            ..llama_like(window)
+        };
+        let attn = DecoderAttention::new(&cfg, weights(&cfg)?)?;
+        let diff = (attn.forward(&x2)? - attn.forward(&x)?)?
+            .abs()?
+            .max(D::Minus1)?
+            .squeeze(0)?;
+        let moved: Vec<usize> = diff
+            .to_vec1::<f32>()?
+            .iter()
+            .enumerate()
+            .filter(|(_, &d)| d > 1e-6)
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(moved, reached, "window {window:?}");
+        let e = err_msg(attn.new_cache());
+        assert!(e.contains("bidirectional layer attends to later tokens"), "{e}");
+        let mut cache = KvCache::new();
+        let e = err_msg(attn.forward_cached(&x, &positions(1, 0, 10)?, None, Some(&mut cache)));
+        assert!(e.contains("runs without a KV cache"), "{e}");
+    }
+    let cfg = DecoderAttentionConfig {
+        bidirectional: true,
+        ..llama_like(Some(0))
+    };
+    let attn = DecoderAttention::new(&cfg, weights(&cfg)?)?;
+    let e = err_msg(attn.forward(&x));
+    assert!(e.contains("sliding window must be at least 1 key"), "{e}");
     Ok(())
 }

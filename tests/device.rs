@@ -311,6 +311,7 @@ fn decoder_layer_with_zero_sized_dims_on_the_test_device() -> Result<()> {
         softcap: None,
         sinks: false,
         sliding_window: Some(2),
+        bidirectional: false,
         scale: 0.5,
         cross_attention: false,
         max_position_embeddings: None,

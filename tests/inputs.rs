@@ -135,6 +135,7 @@ fn layers_refuse_integer_inputs() -> Result<()> {
         softcap: None,
         sinks: false,
         sliding_window: None,
+        bidirectional: false,
         scale: 0.5,
         cross_attention: true,
         max_position_embeddings: None,

@@ -105,8 +105,14 @@ pub struct DecoderAttentionConfig {
     pub softcap: Option<f64>,
     /// Learned per-head sinks, weight `sinks` `(num_heads)` (gpt-oss).
     pub sinks: bool,
-    /// Causal sliding window of exactly this many keys.
+    /// Causal sliding window of exactly this many keys; with `bidirectional`, the keys
+    /// less than this many positions away on either side.
     pub sliding_window: Option<usize>,
+    /// Each token attends to the tokens after it as well as before (Gemma 3's
+    /// `use_bidirectional_attention`, as in EmbeddingGemma): no causal mask, only the
+    /// padding mask and the two-sided `sliding_window`. Such a layer encodes a whole
+    /// sequence per call and runs without a KV cache.
+    pub bidirectional: bool,
     /// Multiplier of `q · k`.
     pub scale: f64,
     /// Keys and values come from the encoder; no causal mask.
@@ -200,6 +206,10 @@ pub struct HfConfig {
     pub scale_attn_by_inverse_layer_idx: Option<bool>,
     /// `rotary_emb_interleaved` in `config.json`.
     pub rotary_emb_interleaved: Option<bool>,
+    /// `use_bidirectional_attention` in `config.json` (Gemma 3, as in EmbeddingGemma): every
+    /// layer attends both ways, and the sliding layers to the tokens less than
+    /// `sliding_window / 2 + 1` positions away, as `Gemma3TextConfig` halves the window.
+    pub use_bidirectional_attention: Option<bool>,
 }
 
 /// The architectures [`DecoderAttentionConfig::from_hf`] knows (Hugging Face `model_type`s).
@@ -404,6 +414,20 @@ impl DecoderAttentionConfig {
         if sliding == Some(0) {
             candle::bail!("{arch} config: sliding_window must be at least 1")
         }
+        let bidirectional = cfg.use_bidirectional_attention == Some(true);
+        // `Gemma3TextConfig.__post_init__` halves the window of a bidirectional model
+        // (`sliding_window // 2 + 1`, the exclusive bound on the distance |i - j|), and its
+        // `to_dict` writes the value it halved, so config.json always holds the original.
+        // Gemma 2's modeling code only turns off `is_causal`, which changes the result with
+        // some attention implementations and not others.
+        let sliding = match arch {
+            "gemma3_text" if bidirectional => sliding.map(|w| w / 2 + 1),
+            "gemma2" if bidirectional => candle::bail!(
+                "{arch} config: use_bidirectional_attention is not supported for gemma2 \
+                 (transformers' Gemma2Model keeps its causal masks and only turns off is_causal)"
+            ),
+            _ => sliding,
+        };
         let default_scale = 1.0 / (head_dim as f64).sqrt();
         let bias = cfg.attention_bias;
         let max_pos = cfg.max_position_embeddings.or(cfg.n_positions);
@@ -419,6 +443,7 @@ impl DecoderAttentionConfig {
             softcap: None,
             sinks: false,
             sliding_window: sliding,
+            bidirectional: bidirectional && arch == "gemma3_text",
             scale: default_scale,
             cross_attention,
             max_position_embeddings: max_pos,

@@ -173,6 +173,11 @@ impl DecoderAttention {
 
     /// A fresh cache suited to this layer: rotating for a sliding window, growable otherwise.
     pub fn new_cache(&self) -> Result<KvCache> {
+        if self.cfg.bidirectional {
+            candle::bail!(
+                "attention: a bidirectional layer attends to later tokens, so it runs without a KV cache"
+            )
+        }
         match self.cfg.sliding_window {
             Some(w) => KvCache::rotating(w),
             None => Ok(KvCache::new()),
@@ -288,6 +293,8 @@ impl DecoderAttention {
     ///   the cache after this call (`L` without a cache).
     /// - `cache`: keys and values are appended to it and attention runs over all of them,
     ///   with the causal rule aligned bottom-right (query `i` is token `cache.seen() + i`).
+    ///   A [bidirectional](DecoderAttentionConfig::bidirectional) layer refuses a cache: each
+    ///   token attends to the tokens before and after it within the call.
     pub fn forward_cached(
         &self,
         x: &Tensor,
@@ -297,6 +304,11 @@ impl DecoderAttention {
     ) -> Result<Tensor> {
         if self.cfg.cross_attention {
             candle::bail!("attention: this is a cross-attention layer; use forward_cross")
+        }
+        if self.cfg.bidirectional && cache.is_some() {
+            candle::bail!(
+                "attention: a bidirectional layer attends to later tokens, so it runs without a KV cache"
+            )
         }
         let (b, l) = self.check_hidden(x, "hidden_states")?;
         let max_position = self.check_positions(position_ids, b, l)?;
@@ -321,7 +333,19 @@ impl DecoderAttention {
         };
         let total = past + l;
         let contiguous = positions.iter().enumerate().all(|(i, &p)| i == p);
-        let mut mask = if contiguous {
+        let mut mask = if self.cfg.bidirectional {
+            // No cache (refused above), so keys and queries are the same tokens 0..L.
+            match self.cfg.sliding_window {
+                // |i - j| < w: the causal band of 2w - 1 keys shifted w - 1 ahead.
+                // (A window of 0 gives a band of 0, which `sliding_window` refuses.)
+                Some(w) => {
+                    let band = w.saturating_mul(2).saturating_sub(1);
+                    let ahead = isize::try_from(w.saturating_sub(1)).unwrap_or(isize::MAX);
+                    AttnMask::sliding_window(band, CausalAlign::Offset(ahead))?
+                }
+                None => AttnMask::none(),
+            }
+        } else if contiguous {
             match self.cfg.sliding_window {
                 Some(w) => AttnMask::sliding_window(w, CausalAlign::Offset(past as isize))?,
                 None => AttnMask::causal_with_offset(past as isize),
@@ -481,8 +505,9 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 impl Module for DecoderAttention {
-    /// Causal self-attention without cache or padding: `(B, L, hidden)` → `(B, L, hidden)`,
-    /// positions `0..L` in every row.
+    /// Self-attention without cache or padding, causal unless the layer is
+    /// [bidirectional](DecoderAttentionConfig::bidirectional): `(B, L, hidden)` →
+    /// `(B, L, hidden)`, positions `0..L` in every row.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let (b, l) = self.check_hidden(xs, "hidden_states")?;
         let pos = Tensor::arange(0i64, l as i64, xs.device())?
