@@ -1379,6 +1379,10 @@ HF_DEFAULTS_CASES = [
     ("gemma3_text", "gemma3_bidirectional_window_halved",
      dict(sliding_window=512, use_bidirectional_attention=True, sliding_window_pattern=2,
           query_pre_attn_scalar=8), 2),
+    # a window of 1 halves to 1, and to_dict writes (1 - 1) * 2 = 0, which reloads as 1
+    ("gemma3_text", "gemma3_bidirectional_window_1_saved_as_0",
+     dict(sliding_window=0, use_bidirectional_attention=True, sliding_window_pattern=2,
+          query_pre_attn_scalar=8), 2),
     ("gemma3_text", "gemma3_bidirectional_no_window_key",
      dict(use_bidirectional_attention=True, sliding_window_pattern=2, query_pre_attn_scalar=8), 2),
     ("qwen2", "qwen2_sliding_no_window_key",

@@ -920,6 +920,23 @@ fn bidirectional_layers_attend_both_ways_within_the_window() -> Result<()> {
         (true, Some(4))
     );
     assert_eq!(got(layer("", "gemma3_text", 0)?), (true, Some(2049)));
+    // transformers saves a window of 1 as (1 - 1) * 2 = 0, which halves to 1 again; without
+    // the flag, a window of 0 is an error.
+    assert_eq!(
+        got(layer(r#", "sliding_window": 0"#, "gemma3_text", 0)?),
+        (true, Some(1))
+    );
+    let causal = base.replace(
+        r#""use_bidirectional_attention": true"#,
+        r#""use_bidirectional_attention": false"#,
+    );
+    let e = err_msg(DecoderAttentionConfig::from_hf(
+        "gemma3_text",
+        &hf(&format!(r#"{{{causal}, "sliding_window": 0}}"#)),
+        0,
+        false,
+    ));
+    assert!(e.contains("sliding_window must be at least 1"), "{e}");
     assert_eq!(
         got(layer(r#", "sliding_window": null"#, "gemma3_text", 0)?),
         (true, None)

@@ -411,15 +411,13 @@ impl DecoderAttentionConfig {
             (_, Some(SLIDING)) => cfg.window(arch),
             _ => None,
         };
-        if sliding == Some(0) {
-            candle::bail!("{arch} config: sliding_window must be at least 1")
-        }
         let bidirectional = cfg.use_bidirectional_attention == Some(true);
         // `Gemma3TextConfig.__post_init__` halves the window of a bidirectional model
         // (`sliding_window // 2 + 1`, the exclusive bound on the distance |i - j|), and its
-        // `to_dict` writes the value it halved, so config.json always holds the original.
-        // Gemma 2's modeling code only turns off `is_causal`, which changes the result with
-        // some attention implementations and not others.
+        // `to_dict` writes `(w - 1) * 2` back, which halves to the same bound again (a
+        // window of 1 is saved as 0, which means 1 here). Gemma 2's modeling code only
+        // turns off `is_causal`, which changes the result with some attention
+        // implementations and not others.
         let sliding = match arch {
             "gemma3_text" if bidirectional => sliding.map(|w| w / 2 + 1),
             "gemma2" if bidirectional => candle::bail!(
@@ -428,6 +426,9 @@ impl DecoderAttentionConfig {
             ),
             _ => sliding,
         };
+        if sliding == Some(0) {
+            candle::bail!("{arch} config: sliding_window must be at least 1")
+        }
         let default_scale = 1.0 / (head_dim as f64).sqrt();
         let bias = cfg.attention_bias;
         let max_pos = cfg.max_position_embeddings.or(cfg.n_positions);
