@@ -555,6 +555,8 @@ HF_ARCHS = {
     "gpt_oss": HfArch("GptOssConfig", "GptOssModel", "layers.{i}.self_attn"),
     "whisper": HfArch("WhisperConfig", "models.whisper.modeling_whisper.WhisperDecoder",
                       "layers.{i}.encoder_attn", cross_attention=True),
+    "mixtral": HfArch("MixtralConfig", "MixtralModel", "layers.{i}.self_attn"),
+    "gemma": HfArch("GemmaConfig", "GemmaModel", "layers.{i}.self_attn"),
 }
 
 
@@ -666,6 +668,19 @@ HF_CASES = [
                 sliding_window=4, query_pre_attn_scalar=24, use_bidirectional_attention=True,
                 rope_parameters=GEMMA3_ROPE),
            layer_idx=1, B=2, L=7, steps=0, left_pad=(2, 0), param_std=0.3),
+    # Mixtral's attention is Mistral's: a window on every layer, no biases whatever
+    # attention_bias says (this case sets it to pin that).
+    HfCase("mixtral", "mixtral_sliding_window_leftpad_bias_ignored",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                sliding_window=3, attention_bias=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           B=2, L=6, steps=4, left_pad=(0, 2), all_dtypes=True),
+    # Gemma (1): head_dim 16 != hidden_size / heads, MQA, attention_bias, scale head_dim^-1/2.
+    HfCase("gemma", "gemma_mqa_head_dim_bias_leftpad",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                num_hidden_layers=1, attention_bias=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           B=2, L=5, steps=4, left_pad=(1, 0)),
     HfCase("phi3", "phi3_packed_qkv_partial_sliding_leftpad",
            dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
                 sliding_window=3,
@@ -744,6 +759,8 @@ HF_ARCH_CONFIG = {
                 "max_position_embeddings": 256},
     "whisper": {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
                 "decoder_start_token_id": 0, "begin_suppress_tokens": None},
+    "mixtral": {"intermediate_size": 16, "num_local_experts": 2, "num_experts_per_tok": 1,
+                "experts_implementation": "eager"},
 }
 HF_DEFAULT_ARCH_CONFIG = {"intermediate_size": 16}
 
@@ -1033,7 +1050,7 @@ def hf_window(arch: str, cfg: dict, layer_idx: int) -> int | None:
     has filled in `layer_types` and, for Qwen, cleared `sliding_window` unless
     `use_sliding_window`).  Mistral and Phi-3 use `sliding_window` on every layer.  A
     bidirectional Gemma 3 layer's is the bound on |i - j| that Gemma3TextConfig derives."""
-    if arch in ("mistral", "phi3"):
+    if arch in ("mistral", "mixtral", "phi3"):
         return cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss"):
         sliding = cfg["layer_types"][layer_idx] == "sliding_attention"
@@ -1187,7 +1204,8 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False,
         return t.view(B, t.shape[1], n, -1).transpose(1, 2)
 
     scale, softcap, sinks, bias, window, causal = None, None, None, 0.0, None, True
-    if arch in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "phi3"):
+    if arch in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                "gpt_oss", "phi3"):
         H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         D = cfg.get("head_dim") or E // H
         if arch == "phi3":                                     # packed [q | k | v], no bias
@@ -1306,6 +1324,8 @@ HF_DEFAULTS_ARCHS = {
     "qwen3": ("Qwen3Config", "qwen3", "Qwen3Attention", "Qwen3RotaryEmbedding"),
     "gemma2": ("Gemma2Config", "gemma2", "Gemma2Attention", "Gemma2RotaryEmbedding"),
     "gemma3_text": ("Gemma3TextConfig", "gemma3", "Gemma3Attention", "Gemma3RotaryEmbedding"),
+    "mixtral": ("MixtralConfig", "mixtral", "MixtralAttention", "MixtralRotaryEmbedding"),
+    "gemma": ("GemmaConfig", "gemma", "GemmaAttention", "GemmaRotaryEmbedding"),
     "phi3": ("Phi3Config", "phi3", "Phi3Attention", "Phi3RotaryEmbedding"),
     "gpt_oss": ("GptOssConfig", "gpt_oss", "GptOssAttention", "GptOssRotaryEmbedding"),
     "gpt_neox": ("GPTNeoXConfig", "gpt_neox", "GPTNeoXAttention", "GPTNeoXRotaryEmbedding"),
@@ -1420,6 +1440,9 @@ HF_DEFAULTS_CASES = [
      dict(sliding_window=512, query_pre_attn_scalar=8), 6),
     ("gpt_oss", "gpt_oss_no_rope_theta", dict(sliding_window=128), 2),
     ("gpt_neox", "gpt_neox_no_rope_theta_nor_rotary_pct", dict(), 1),
+    ("mixtral", "mixtral_no_rope_theta_no_window_key", dict(), 2),
+    ("mixtral", "mixtral_sliding_every_layer", dict(sliding_window=4096, rope_theta=1000.0), 2),
+    ("gemma", "gemma_no_rope_theta", dict(), 1),
     ("llama", "llama3_rope_scaling",
      dict(rope_theta=500000.0, max_position_embeddings=131072,
           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -997,3 +997,51 @@ fn bidirectional_layers_attend_both_ways_within_the_window() -> Result<()> {
     assert!(e.contains("sliding window must be at least 1 key"), "{e}");
     Ok(())
 }
+
+/// Mixtral and Gemma (1) load like Mistral and Llama, with their config classes' defaults
+/// (transformers 5.25): Gemma's `head_dim` is 256 when config.json has none, whatever
+/// `hidden_size / num_attention_heads` is; Mistral, Mixtral and Phi-3 build their
+/// projections without biases whatever `attention_bias` says. (The `hf_attention` fixtures
+/// `mixtral_*` and `gemma_*`, and `hf_config_defaults.json`, check the rest.)
+#[test]
+fn mixtral_and_gemma_follow_their_config_classes() -> Result<()> {
+    let base = r#""hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 1"#;
+    let cfg = |arch: &str, extra: &str| {
+        DecoderAttentionConfig::from_hf(arch, &hf(&format!("{{{base}{extra}}}")), 0, false)
+    };
+    assert_eq!(cfg("gemma", "")?.head_dim, 256);
+    assert_eq!(cfg("gemma", r#", "head_dim": 16"#)?.head_dim, 16);
+    assert_eq!(cfg("gemma", "")?.scale, 1.0 / 16.0);
+    assert_eq!(cfg("mixtral", "")?.head_dim, 8);
+    let no_bias = QkvLayout::separate(false, false, false, false);
+    for arch in ["mistral", "mixtral"] {
+        assert_eq!(
+            cfg(arch, r#", "attention_bias": true"#)?.layout,
+            no_bias,
+            "{arch}"
+        );
+    }
+    for arch in ["llama", "gemma"] {
+        let biased = QkvLayout::separate(true, true, true, true);
+        assert_eq!(cfg(arch, r#", "attention_bias": true"#)?.layout, biased, "{arch}");
+    }
+    let phi3 = cfg("phi3", r#", "attention_bias": true"#)?;
+    assert!(
+        matches!(
+            phi3.layout,
+            QkvLayout::Packed {
+                qkv_bias: false,
+                o_bias: false,
+                ..
+            }
+        ),
+        "{:?}",
+        phi3.layout
+    );
+    let e = err_msg(cfg("gemma", r#", "use_bidirectional_attention": true"#));
+    assert!(
+        e.contains("use_bidirectional_attention is not supported for gemma"),
+        "{e}"
+    );
+    Ok(())
+}

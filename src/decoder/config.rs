@@ -226,6 +226,8 @@ pub const ARCHITECTURES: &[&str] = &[
     "bloom",
     "gpt_oss",
     "whisper",
+    "mixtral",
+    "gemma",
 ];
 
 /// Deserializes a key that is present (possibly `null`) as `Some(value)`; with
@@ -332,8 +334,8 @@ impl HfConfig {
     }
 
     /// `sliding_window`, or when config.json has no such key, the default of `arch`'s config
-    /// class (transformers 5.25): 128 for gpt-oss, none for Phi-3, 4096 for the others that
-    /// have a window.
+    /// class (transformers 5.25): 128 for gpt-oss, none for Phi-3 and Mixtral, 4096 for the
+    /// others that have a window.
     fn window(&self, arch: &str) -> Option<usize> {
         match self.sliding_window {
             Some(w) => w,
@@ -391,6 +393,8 @@ impl DecoderAttentionConfig {
         let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
         let head_dim = match cfg.head_dim {
             Some(d) => d,
+            // `GemmaConfig.head_dim` defaults to 256, whatever hidden_size / heads is.
+            None if arch == "gemma" => 256,
             None => {
                 if !hidden.is_multiple_of(heads) {
                     candle::bail!(
@@ -406,7 +410,7 @@ impl DecoderAttentionConfig {
         let layer_type = Self::layer_type(arch, cfg, layer_idx)?;
         let sliding = match (arch, layer_type) {
             // Their modeling code passes `config.sliding_window` to every layer.
-            ("mistral" | "phi3", _) => cfg.window(arch),
+            ("mistral" | "mixtral" | "phi3", _) => cfg.window(arch),
             ("qwen2" | "qwen3", Some(SLIDING)) => cfg.qwen_window(arch),
             (_, Some(SLIDING)) => cfg.window(arch),
             _ => None,
@@ -420,9 +424,9 @@ impl DecoderAttentionConfig {
         // implementations and not others.
         let sliding = match arch {
             "gemma3_text" if bidirectional => sliding.map(|w| w / 2 + 1),
-            "gemma2" if bidirectional => candle::bail!(
-                "{arch} config: use_bidirectional_attention is not supported for gemma2 \
-                 (transformers' Gemma2Model keeps its causal masks and only turns off is_causal)"
+            "gemma" | "gemma2" if bidirectional => candle::bail!(
+                "{arch} config: use_bidirectional_attention is not supported for {arch} \
+                 (transformers' model keeps its causal masks and only turns off is_causal)"
             ),
             _ => sliding,
         };
@@ -461,8 +465,13 @@ impl DecoderAttentionConfig {
         };
         let rope = |style: RopeStyle| Self::rope_from_hf(arch, cfg, head_dim, layer_type, style).map(Some);
         match arch {
-            "llama" | "mistral" | "gpt_oss" | "phi3" => {
-                let b = bias.unwrap_or(arch == "gpt_oss");
+            "llama" | "mistral" | "mixtral" | "gpt_oss" | "phi3" | "gemma" => {
+                // Mistral's, Mixtral's and Phi-3's modeling code builds its projections
+                // without biases whatever `attention_bias` says; gpt-oss defaults to them.
+                let b = match arch {
+                    "mistral" | "mixtral" | "phi3" => false,
+                    _ => bias.unwrap_or(arch == "gpt_oss"),
+                };
                 out.layout = if arch == "phi3" {
                     QkvLayout::Packed {
                         qkv: "qkv_proj".into(),
@@ -621,14 +630,14 @@ impl DecoderAttentionConfig {
         };
         // A config.json without `rope_theta` gets its config class's default (transformers
         // 5.25): 1e6 for Gemma 3's full layers (its sliding ones default above), 150000 for
-        // gpt-oss, 10000 for the others.
+        // gpt-oss, 1e6 for Mixtral, 10000 for the others.
         let theta = num(&p, "rope_theta").unwrap_or(match arch {
-            "gemma3_text" => 1e6,
+            "gemma3_text" | "mixtral" => 1e6,
             "gpt_oss" => 150_000.0,
             _ => 10_000.0,
         });
         // Only GPT-NeoX's and Phi-3's modeling code rotates part of the head. The others'
-        // (Llama, Mistral, Qwen2/3, Gemma 2/3, gpt-oss) compute the default rope over the
+        // (Llama, Mistral, Mixtral, Qwen2/3, Gemma 1/2/3, gpt-oss) compute the default rope over the
         // whole head and ignore `partial_rotary_factor` (transformers 5.25; with a scaled
         // rope type they apply it to the frequencies and then fail on the shapes).
         // A factor missing from the rope parameters is the top-level one: `rotary_pct`
