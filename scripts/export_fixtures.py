@@ -557,6 +557,8 @@ HF_ARCHS = {
                       "layers.{i}.encoder_attn", cross_attention=True),
     "mixtral": HfArch("MixtralConfig", "MixtralModel", "layers.{i}.self_attn"),
     "gemma": HfArch("GemmaConfig", "GemmaModel", "layers.{i}.self_attn"),
+    "qwen2_moe": HfArch("Qwen2MoeConfig", "Qwen2MoeModel", "layers.{i}.self_attn"),
+    "qwen3_moe": HfArch("Qwen3MoeConfig", "Qwen3MoeModel", "layers.{i}.self_attn"),
 }
 
 
@@ -681,6 +683,19 @@ HF_CASES = [
                 num_hidden_layers=1, attention_bias=True,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
            B=2, L=5, steps=4, left_pad=(1, 0)),
+    # Qwen3-MoE: Qwen3's attention (q/k RMSNorm) with the window on every layer.
+    HfCase("qwen3_moe", "qwen3_moe_sliding_qk_norm_leftpad",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=1, use_sliding_window=True, sliding_window=3,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           B=2, L=6, steps=4, left_pad=(0, 2), all_dtypes=True),
+    # Qwen2-MoE: q/k/v biases (qkv_bias), none on o; layer 0 slides (even, below max_window_layers).
+    HfCase("qwen2_moe", "qwen2_moe_qkv_bias_sliding_layer0",
+           dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, use_sliding_window=True, sliding_window=3,
+                max_window_layers=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+           B=2, L=6, steps=4, left_pad=(1, 0)),
     HfCase("phi3", "phi3_packed_qkv_partial_sliding_leftpad",
            dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
                 sliding_window=3,
@@ -761,6 +776,11 @@ HF_ARCH_CONFIG = {
                 "decoder_start_token_id": 0, "begin_suppress_tokens": None},
     "mixtral": {"intermediate_size": 16, "num_local_experts": 2, "num_experts_per_tok": 1,
                 "experts_implementation": "eager"},
+    "qwen2_moe": {"intermediate_size": 16, "moe_intermediate_size": 8,
+                  "shared_expert_intermediate_size": 8, "num_experts": 2,
+                  "num_experts_per_tok": 1, "experts_implementation": "eager"},
+    "qwen3_moe": {"intermediate_size": 16, "moe_intermediate_size": 8, "num_experts": 2,
+                  "num_experts_per_tok": 1, "experts_implementation": "eager"},
 }
 HF_DEFAULT_ARCH_CONFIG = {"intermediate_size": 16}
 
@@ -1050,9 +1070,9 @@ def hf_window(arch: str, cfg: dict, layer_idx: int) -> int | None:
     has filled in `layer_types` and, for Qwen, cleared `sliding_window` unless
     `use_sliding_window`).  Mistral and Phi-3 use `sliding_window` on every layer.  A
     bidirectional Gemma 3 layer's is the bound on |i - j| that Gemma3TextConfig derives."""
-    if arch in ("mistral", "mixtral", "phi3"):
+    if arch in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss"):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "gpt_oss"):
         sliding = cfg["layer_types"][layer_idx] == "sliding_attention"
         if not sliding or cfg["sliding_window"] is None:
             return None
@@ -1204,8 +1224,8 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False,
         return t.view(B, t.shape[1], n, -1).transpose(1, 2)
 
     scale, softcap, sinks, bias, window, causal = None, None, None, 0.0, None, True
-    if arch in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-                "gpt_oss", "phi3"):
+    if arch in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma",
+                "gemma2", "gemma3_text", "gpt_oss", "phi3"):
         H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         D = cfg.get("head_dim") or E // H
         if arch == "phi3":                                     # packed [q | k | v], no bias
@@ -1215,7 +1235,7 @@ def reference_hf_attention(fx: Fixture, gemma3_softcap: bool = False,
             q = heads(lin(x, "q_proj.weight", "q_proj.bias"), H)
             k = heads(lin(x, "k_proj.weight", "k_proj.bias"), Hkv)
             v = heads(lin(x, "v_proj.weight", "v_proj.bias"), Hkv)
-        if arch in ("qwen3", "gemma3_text"):
+        if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
             eps = cfg["rms_norm_eps"]
             unit = 1.0 if arch == "gemma3_text" else 0.0       # Gemma's RMSNorm scales by 1 + w
             rms = lambda t, w: (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)  # noqa
@@ -1326,6 +1346,8 @@ HF_DEFAULTS_ARCHS = {
     "gemma3_text": ("Gemma3TextConfig", "gemma3", "Gemma3Attention", "Gemma3RotaryEmbedding"),
     "mixtral": ("MixtralConfig", "mixtral", "MixtralAttention", "MixtralRotaryEmbedding"),
     "gemma": ("GemmaConfig", "gemma", "GemmaAttention", "GemmaRotaryEmbedding"),
+    "qwen2_moe": ("Qwen2MoeConfig", "qwen2_moe", "Qwen2MoeAttention", "Qwen2MoeRotaryEmbedding"),
+    "qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeAttention", "Qwen3MoeRotaryEmbedding"),
     "phi3": ("Phi3Config", "phi3", "Phi3Attention", "Phi3RotaryEmbedding"),
     "gpt_oss": ("GptOssConfig", "gpt_oss", "GptOssAttention", "GptOssRotaryEmbedding"),
     "gpt_neox": ("GPTNeoXConfig", "gpt_neox", "GPTNeoXAttention", "GPTNeoXRotaryEmbedding"),
@@ -1443,6 +1465,14 @@ HF_DEFAULTS_CASES = [
     ("mixtral", "mixtral_no_rope_theta_no_window_key", dict(), 2),
     ("mixtral", "mixtral_sliding_every_layer", dict(sliding_window=4096, rope_theta=1000.0), 2),
     ("gemma", "gemma_no_rope_theta", dict(), 1),
+    # Qwen3-MoE: the window on every layer, only with use_sliding_window
+    ("qwen3_moe", "qwen3_moe_sliding_every_layer_no_window_key",
+     dict(use_sliding_window=True, rope_theta=1000000.0), 2),
+    ("qwen3_moe", "qwen3_moe_sliding_off", dict(sliding_window=512, rope_theta=1000000.0), 2),
+    # Qwen2-MoE: the even layers below max_window_layers slide, with use_sliding_window
+    ("qwen2_moe", "qwen2_moe_sliding_even_layers_below_max_window_layers",
+     dict(use_sliding_window=True, sliding_window=64, max_window_layers=3, rope_theta=1000000.0), 5),
+    ("qwen2_moe", "qwen2_moe_sliding_off", dict(sliding_window=64, rope_theta=1000000.0), 2),
     ("llama", "llama3_rope_scaling",
      dict(rope_theta=500000.0, max_position_embeddings=131072,
           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

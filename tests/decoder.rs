@@ -1045,3 +1045,32 @@ fn mixtral_and_gemma_follow_their_config_classes() -> Result<()> {
     );
     Ok(())
 }
+
+/// Qwen2-MoE reads `qkv_bias` (default true; never a bias on o) and Qwen3-MoE
+/// `attention_bias`; an explicit sliding `layer_types` entry without `use_sliding_window`
+/// is an error for Qwen2-MoE, whose config class sets that window to 0. (The
+/// `hf_attention` fixtures `qwen2_moe_*` and `qwen3_moe_*`, and `hf_config_defaults.json`,
+/// check the windows, norms and ropes against transformers.)
+#[test]
+fn qwen_moe_biases_and_windows_follow_their_config_classes() -> Result<()> {
+    let base = r#""hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2"#;
+    let cfg = |arch: &str, extra: &str| {
+        DecoderAttentionConfig::from_hf(arch, &hf(&format!("{{{base}{extra}}}")), 0, false)
+    };
+    let qkv = |b: bool| QkvLayout::separate(b, b, b, false);
+    assert_eq!(cfg("qwen2_moe", "")?.layout, qkv(true));
+    assert_eq!(cfg("qwen2_moe", r#", "qkv_bias": false"#)?.layout, qkv(false));
+    assert_eq!(cfg("qwen2", r#", "qkv_bias": false"#)?.layout, qkv(true));
+    let all = |b: bool| QkvLayout::separate(b, b, b, b);
+    assert_eq!(cfg("qwen3_moe", "")?.layout, all(false));
+    assert_eq!(cfg("qwen3_moe", r#", "attention_bias": true"#)?.layout, all(true));
+    assert!(cfg("qwen3_moe", "")?.qk_norm.is_some());
+    let e = err_msg(cfg("qwen2_moe", r#", "layer_types": ["sliding_attention"]"#));
+    assert!(e.contains("sliding_window must be at least 1"), "{e}");
+    let sliding = cfg(
+        "qwen2_moe",
+        r#", "layer_types": ["sliding_attention"], "use_sliding_window": true, "sliding_window": 8"#,
+    )?;
+    assert_eq!(sliding.sliding_window, Some(8));
+    Ok(())
+}

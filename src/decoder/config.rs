@@ -206,6 +206,9 @@ pub struct HfConfig {
     pub scale_attn_by_inverse_layer_idx: Option<bool>,
     /// `rotary_emb_interleaved` in `config.json`.
     pub rotary_emb_interleaved: Option<bool>,
+    /// `qkv_bias` in `config.json` (Qwen2-MoE, default true): biases on the q, k and v
+    /// projections.
+    pub qkv_bias: Option<bool>,
     /// `use_bidirectional_attention` in `config.json` (Gemma 3, as in EmbeddingGemma): every
     /// layer attends both ways, and the sliding layers to the tokens less than
     /// `sliding_window / 2 + 1` positions away, as `Gemma3TextConfig` halves the window.
@@ -228,6 +231,8 @@ pub const ARCHITECTURES: &[&str] = &[
     "whisper",
     "mixtral",
     "gemma",
+    "qwen2_moe",
+    "qwen3_moe",
 ];
 
 /// Deserializes a key that is present (possibly `null`) as `Some(value)`; with
@@ -341,13 +346,16 @@ impl HfConfig {
             Some(w) => w,
             None => match arch {
                 "gpt_oss" => Some(128),
-                "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" => Some(4096),
+                "mistral" | "qwen2" | "qwen3" | "qwen2_moe" | "qwen3_moe" | "gemma2" | "gemma3_text" => {
+                    Some(4096)
+                }
                 _ => None,
             },
         }
     }
 
-    /// Qwen2/3's `sliding_window`: their config class drops it unless `use_sliding_window`.
+    /// Qwen2/3's (and their MoE variants') `sliding_window`: their config classes drop it
+    /// unless `use_sliding_window`.
     fn qwen_window(&self, arch: &str) -> Option<usize> {
         self.window(arch)
             .filter(|_| self.use_sliding_window == Some(true))
@@ -411,7 +419,13 @@ impl DecoderAttentionConfig {
         let sliding = match (arch, layer_type) {
             // Their modeling code passes `config.sliding_window` to every layer.
             ("mistral" | "mixtral" | "phi3", _) => cfg.window(arch),
+            // Qwen3-MoE passes `config.sliding_window` (kept only with `use_sliding_window`)
+            // to every layer.
+            ("qwen3_moe", _) => cfg.qwen_window(arch),
             ("qwen2" | "qwen3", Some(SLIDING)) => cfg.qwen_window(arch),
+            // `Qwen2MoeConfig` sets the window to 0 without `use_sliding_window`, which a
+            // sliding layer (from an explicit `layer_types`) cannot use.
+            ("qwen2_moe", Some(SLIDING)) => cfg.qwen_window(arch).or(Some(0)),
             (_, Some(SLIDING)) => cfg.window(arch),
             _ => None,
         };
@@ -485,11 +499,12 @@ impl DecoderAttentionConfig {
                 out.sinks = arch == "gpt_oss";
                 out.rope = rope(RopeStyle::HalfSplit)?;
             }
-            "qwen2" => {
-                out.layout = QkvLayout::separate(true, true, true, false);
+            "qwen2" | "qwen2_moe" => {
+                let b = arch == "qwen2" || cfg.qkv_bias.unwrap_or(true);
+                out.layout = QkvLayout::separate(b, b, b, false);
                 out.rope = rope(RopeStyle::HalfSplit)?;
             }
-            "qwen3" | "gemma3_text" => {
+            "qwen3" | "qwen3_moe" | "gemma3_text" => {
                 let b = bias.unwrap_or(false);
                 out.layout = QkvLayout::separate(b, b, b, b);
                 out.qk_norm = Some(QkNorm {
@@ -563,11 +578,14 @@ impl DecoderAttentionConfig {
     }
 
     /// The type of layer `layer_idx` for the architectures whose modeling code has layer
-    /// types (Gemma 2/3, gpt-oss, Qwen2/3; `None` for the others, which ignore
+    /// types (Gemma 2/3, gpt-oss, Qwen2/3, Qwen2-MoE; `None` for the others, which ignore
     /// `layer_types`): `layer_types[layer_idx]`, or when config.json has no `layer_types`,
     /// what the config class's `__init__` derives (transformers 5.25).
     fn layer_type<'a>(arch: &str, cfg: &'a HfConfig, layer_idx: usize) -> Result<Option<&'a str>> {
-        if !matches!(arch, "gemma2" | "gemma3_text" | "gpt_oss" | "qwen2" | "qwen3") {
+        if !matches!(
+            arch,
+            "gemma2" | "gemma3_text" | "gpt_oss" | "qwen2" | "qwen3" | "qwen2_moe"
+        ) {
             return Ok(None);
         }
         if let Some(types) = &cfg.layer_types {
@@ -586,6 +604,12 @@ impl DecoderAttentionConfig {
                     candle::bail!("{arch} config: sliding_window_pattern must be at least 1, got 0")
                 }
                 !(layer_idx + 1).is_multiple_of(pattern)
+            }
+            // Qwen2MoeConfig: the even layers below `max_window_layers`, with `use_sliding_window`.
+            "qwen2_moe" => {
+                layer_idx.is_multiple_of(2)
+                    && layer_idx < cfg.max_window_layers.unwrap_or(28)
+                    && cfg.use_sliding_window == Some(true)
             }
             // Qwen2Config, Qwen3Config: sliding from `max_window_layers` on, if a window is used.
             _ => cfg.qwen_window(arch).is_some() && layer_idx >= cfg.max_window_layers.unwrap_or(28),
