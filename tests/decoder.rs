@@ -1066,7 +1066,15 @@ fn qwen_moe_biases_and_windows_follow_their_config_classes() -> Result<()> {
     assert_eq!(cfg("qwen3_moe", r#", "attention_bias": true"#)?.layout, all(true));
     assert!(cfg("qwen3_moe", "")?.qk_norm.is_some());
     let e = err_msg(cfg("qwen2_moe", r#", "layer_types": ["sliding_attention"]"#));
-    assert!(e.contains("sliding_window must be at least 1"), "{e}");
+    assert!(
+        e.contains("layer 0 is a sliding_attention layer, but use_sliding_window is not set"),
+        "{e}"
+    );
+    let e = err_msg(cfg(
+        "qwen2_moe",
+        r#", "layer_types": ["sliding_attention"], "use_sliding_window": true, "sliding_window": null"#,
+    ));
+    assert!(e.contains("but sliding_window is null"), "{e}");
     let sliding = cfg(
         "qwen2_moe",
         r#", "layer_types": ["sliding_attention"], "use_sliding_window": true, "sliding_window": 8"#,

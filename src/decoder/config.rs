@@ -424,8 +424,18 @@ impl DecoderAttentionConfig {
             ("qwen3_moe", _) => cfg.qwen_window(arch),
             ("qwen2" | "qwen3", Some(SLIDING)) => cfg.qwen_window(arch),
             // `Qwen2MoeConfig` sets the window to 0 without `use_sliding_window`, which a
-            // sliding layer (from an explicit `layer_types`) cannot use.
-            ("qwen2_moe", Some(SLIDING)) => cfg.qwen_window(arch).or(Some(0)),
+            // sliding layer (from an explicit `layer_types`) cannot use, and transformers
+            // cannot run a null one.
+            ("qwen2_moe", Some(SLIDING)) => match cfg.qwen_window(arch) {
+                Some(w) => Some(w),
+                None if cfg.use_sliding_window != Some(true) => candle::bail!(
+                    "{arch} config: layer {layer_idx} is a sliding_attention layer, but use_sliding_window \
+                     is not set (Qwen2MoeConfig then gives it a window of 0)"
+                ),
+                None => candle::bail!(
+                    "{arch} config: layer {layer_idx} is a sliding_attention layer, but sliding_window is null"
+                ),
+            },
             (_, Some(SLIDING)) => cfg.window(arch),
             _ => None,
         };
