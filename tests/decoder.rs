@@ -440,6 +440,12 @@ fn hf(json: &str) -> HfConfig {
     HfConfig::from_json(json).unwrap()
 }
 
+/// Layer `layer_idx` of `arch` from the config.json object `{base extra}` (`extra` empty or
+/// starting with a comma).
+fn layer_of(arch: &str, base: &str, extra: &str, layer_idx: usize) -> Result<DecoderAttentionConfig> {
+    DecoderAttentionConfig::from_hf(arch, &hf(&format!("{{{base}{extra}}}")), layer_idx, false)
+}
+
 #[test]
 fn hf_config_errors_name_the_problem() -> Result<()> {
     let ok =
@@ -907,9 +913,7 @@ fn bidirectional_layers_attend_both_ways_within_the_window() -> Result<()> {
         "head_dim": 8, "query_pre_attn_scalar": 8, "rope_theta": 100.0,
         "use_bidirectional_attention": true,
         "layer_types": ["sliding_attention", "full_attention"]"#;
-    let layer = |extra: &str, arch: &str, idx: usize| {
-        DecoderAttentionConfig::from_hf(arch, &hf(&format!("{{{base}{extra}}}")), idx, false)
-    };
+    let layer = |extra: &str, arch: &str, idx: usize| layer_of(arch, base, extra, idx);
     let got = |c: DecoderAttentionConfig| (c.bidirectional, c.sliding_window);
     assert_eq!(
         got(layer(r#", "sliding_window": 512"#, "gemma3_text", 0)?),
@@ -1006,9 +1010,7 @@ fn bidirectional_layers_attend_both_ways_within_the_window() -> Result<()> {
 #[test]
 fn mixtral_and_gemma_follow_their_config_classes() -> Result<()> {
     let base = r#""hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 1"#;
-    let cfg = |arch: &str, extra: &str| {
-        DecoderAttentionConfig::from_hf(arch, &hf(&format!("{{{base}{extra}}}")), 0, false)
-    };
+    let cfg = |arch: &str, extra: &str| layer_of(arch, base, extra, 0);
     assert_eq!(cfg("gemma", "")?.head_dim, 256);
     assert_eq!(cfg("gemma", r#", "head_dim": 16"#)?.head_dim, 16);
     assert_eq!(cfg("gemma", "")?.scale, 1.0 / 16.0);
@@ -1054,9 +1056,7 @@ fn mixtral_and_gemma_follow_their_config_classes() -> Result<()> {
 #[test]
 fn qwen_moe_biases_and_windows_follow_their_config_classes() -> Result<()> {
     let base = r#""hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2"#;
-    let cfg = |arch: &str, extra: &str| {
-        DecoderAttentionConfig::from_hf(arch, &hf(&format!("{{{base}{extra}}}")), 0, false)
-    };
+    let cfg = |arch: &str, extra: &str| layer_of(arch, base, extra, 0);
     let qkv = |b: bool| QkvLayout::separate(b, b, b, false);
     assert_eq!(cfg("qwen2_moe", "")?.layout, qkv(true));
     assert_eq!(cfg("qwen2_moe", r#", "qkv_bias": false"#)?.layout, qkv(false));
