@@ -1068,7 +1068,8 @@ def hf_stock_deviation(c: HfCase, fx: Fixture) -> float:
 def hf_window(arch: str, cfg: dict, layer_idx: int) -> int | None:
     """The window of layer `layer_idx`, from a `config.to_dict()` (where the config class
     has filled in `layer_types` and, for Qwen, cleared `sliding_window` unless
-    `use_sliding_window`).  Mistral and Phi-3 use `sliding_window` on every layer.  A
+    `use_sliding_window`).  Mistral, Mixtral, Phi-3 and Qwen3-MoE use `sliding_window` on
+    every layer.  A
     bidirectional Gemma 3 layer's is the bound on |i - j| that Gemma3TextConfig derives."""
     if arch in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return cfg.get("sliding_window")

@@ -443,8 +443,8 @@ impl DecoderAttentionConfig {
         // `Gemma3TextConfig.__post_init__` halves the window of a bidirectional model
         // (`sliding_window // 2 + 1`, the exclusive bound on the distance |i - j|), and its
         // `to_dict` writes `(w - 1) * 2` back, which halves to the same bound again (a
-        // window of 1 is saved as 0, which means 1 here). Gemma 2's modeling code only
-        // turns off `is_causal`, which changes the result with some attention
+        // window of 1 is saved as 0, which means 1 here). Gemma's and Gemma 2's modeling
+        // code only turns off `is_causal`, which changes the result with some attention
         // implementations and not others.
         let sliding = match arch {
             "gemma3_text" if bidirectional => sliding.map(|w| w / 2 + 1),
@@ -671,8 +671,8 @@ impl DecoderAttentionConfig {
             _ => 10_000.0,
         });
         // Only GPT-NeoX's and Phi-3's modeling code rotates part of the head. The others'
-        // (Llama, Mistral, Mixtral, Qwen2/3, Gemma 1/2/3, gpt-oss) compute the default rope over the
-        // whole head and ignore `partial_rotary_factor` (transformers 5.25; with a scaled
+        // (Llama, Mistral, Mixtral, Qwen2/3 and their MoE variants, Gemma 1/2/3, gpt-oss)
+        // compute the default rope over the whole head and ignore `partial_rotary_factor` (transformers 5.25; with a scaled
         // rope type they apply it to the frequencies and then fail on the shapes).
         // A factor missing from the rope parameters is the top-level one: `rotary_pct`
         // (default 0.25) for GPT-NeoX, whose config class ignores `partial_rotary_factor`

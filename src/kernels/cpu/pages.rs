@@ -7,8 +7,9 @@
 //! that returns such an output faults in all of it again. On the 2-core Zen 4 VM
 //! (transparent huge pages in `madvise` mode) the 32 MiB f32 output of
 //! `gpt2k_causal_d128` spent 17–20 ms of thread time in those faults, about 5% of the
-//! call's thread time (with the advice the call ran 2.6% faster); smaller outputs are reused from the heap and did not fault (`long8k_causal`'s
-//! 16 MiB: under 2 ms of thread time, all of the stores included).
+//! call's thread time (with the advice the call ran 2.6% faster). Smaller outputs are
+//! reused from the heap and did not fault (`long8k_causal`'s 16 MiB: under 2 ms of thread
+//! time, all of the stores included).
 //!
 //! The advice is a hint: where the kernel refuses it (huge pages off, not Linux) the
 //! buffer is used as it is.
