@@ -1082,3 +1082,37 @@ fn qwen_moe_biases_and_windows_follow_their_config_classes() -> Result<()> {
     assert_eq!(sliding.sliding_window, Some(8));
     Ok(())
 }
+
+/// StarCoder2 reads `use_bias` (default true, all four projections) and Granite scales by
+/// `attention_multiplier` (default 1) instead of `head_dim^-1/2`, as their config classes
+/// and modeling code do (transformers 5.25; the `hf_attention` fixtures `starcoder2_*` and
+/// `granite_*` check the outputs).
+#[test]
+fn starcoder2_biases_and_granite_scale_follow_their_config_classes() -> Result<()> {
+    let base = r#""hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2"#;
+    let cfg = |arch: &str, extra: &str| layer_of(arch, base, extra, 0);
+    let all = |b: bool| QkvLayout::separate(b, b, b, b);
+    assert_eq!(cfg("starcoder2", "")?.layout, all(true));
+    assert_eq!(cfg("starcoder2", r#", "use_bias": false"#)?.layout, all(false));
+    assert_eq!(
+        cfg("starcoder2", r#", "sliding_window": 16"#)?.sliding_window,
+        Some(16)
+    );
+    assert_eq!(cfg("starcoder2", "")?.sliding_window, None);
+    assert_eq!(cfg("granite", "")?.scale, 1.0);
+    assert_eq!(
+        cfg("granite", r#", "attention_multiplier": 0.015625"#)?.scale,
+        0.015625
+    );
+    assert_eq!(
+        cfg("llama", r#", "attention_multiplier": 0.015625"#)?.scale,
+        1.0 / 8f64.sqrt()
+    );
+    let inf = HfConfig {
+        attention_multiplier: Some(f64::INFINITY),
+        ..hf(&format!("{{{base}}}"))
+    };
+    let e = err_msg(DecoderAttentionConfig::from_hf("granite", &inf, 0, false));
+    assert!(e.contains("attention_multiplier must be finite, got inf"), "{e}");
+    Ok(())
+}

@@ -209,6 +209,12 @@ pub struct HfConfig {
     /// `qkv_bias` in `config.json` (Qwen2-MoE, default true): biases on the q, k and v
     /// projections.
     pub qkv_bias: Option<bool>,
+    /// `use_bias` in `config.json` (StarCoder2, default true): biases on all four
+    /// projections.
+    pub use_bias: Option<bool>,
+    /// `attention_multiplier` in `config.json` (Granite, default 1): the multiplier of
+    /// `q · k`, instead of `head_dim^-1/2`.
+    pub attention_multiplier: Option<f64>,
     /// `use_bidirectional_attention` in `config.json` (Gemma 3, as in EmbeddingGemma): every
     /// layer attends both ways, and the sliding layers to the tokens less than
     /// `sliding_window / 2 + 1` positions away, as `Gemma3TextConfig` halves the window.
@@ -233,6 +239,8 @@ pub const ARCHITECTURES: &[&str] = &[
     "gemma",
     "qwen2_moe",
     "qwen3_moe",
+    "starcoder2",
+    "granite",
 ];
 
 /// Deserializes a key that is present (possibly `null`) as `Some(value)`; with
@@ -339,8 +347,8 @@ impl HfConfig {
     }
 
     /// `sliding_window`, or when config.json has no such key, the default of `arch`'s config
-    /// class (transformers 5.25): 128 for gpt-oss, none for Phi-3 and Mixtral, 4096 for the
-    /// others that have a window.
+    /// class (transformers 5.25): 128 for gpt-oss, none for Phi-3, Mixtral and StarCoder2,
+    /// 4096 for the others that have a window.
     fn window(&self, arch: &str) -> Option<usize> {
         match self.sliding_window {
             Some(w) => w,
@@ -418,7 +426,7 @@ impl DecoderAttentionConfig {
         let layer_type = Self::layer_type(arch, cfg, layer_idx)?;
         let sliding = match (arch, layer_type) {
             // Their modeling code passes `config.sliding_window` to every layer.
-            ("mistral" | "mixtral" | "phi3", _) => cfg.window(arch),
+            ("mistral" | "mixtral" | "phi3" | "starcoder2", _) => cfg.window(arch),
             // Qwen3-MoE passes `config.sliding_window` (kept only with `use_sliding_window`)
             // to every layer.
             ("qwen3_moe", _) => cfg.qwen_window(arch),
@@ -489,13 +497,23 @@ impl DecoderAttentionConfig {
         };
         let rope = |style: RopeStyle| Self::rope_from_hf(arch, cfg, head_dim, layer_type, style).map(Some);
         match arch {
-            "llama" | "mistral" | "mixtral" | "gpt_oss" | "phi3" | "gemma" => {
+            "llama" | "mistral" | "mixtral" | "gpt_oss" | "phi3" | "gemma" | "starcoder2" | "granite" => {
                 // Mistral's, Mixtral's and Phi-3's modeling code builds its projections
-                // without biases whatever `attention_bias` says; gpt-oss defaults to them.
+                // without biases whatever `attention_bias` says; gpt-oss defaults to them;
+                // StarCoder2 reads `use_bias` (default true) instead.
                 let b = match arch {
                     "mistral" | "mixtral" | "phi3" => false,
+                    "starcoder2" => cfg.use_bias.unwrap_or(true),
                     _ => bias.unwrap_or(arch == "gpt_oss"),
                 };
+                if arch == "granite" {
+                    // `GraniteAttention.scaling = config.attention_multiplier` (default 1).
+                    let m = cfg.attention_multiplier.unwrap_or(1.0);
+                    if !m.is_finite() {
+                        candle::bail!("{arch} config: attention_multiplier must be finite, got {m}")
+                    }
+                    out.scale = m;
+                }
                 out.layout = if arch == "phi3" {
                     QkvLayout::Packed {
                         qkv: "qkv_proj".into(),
