@@ -440,6 +440,13 @@ fn hf(json: &str) -> HfConfig {
     HfConfig::from_json(json).unwrap()
 }
 
+/// Layer 0 of `arch` with E=32, H=4, Hkv=2 and the config.json keys in `extra` (empty or
+/// starting with a comma).
+fn small(arch: &str, extra: &str) -> Result<DecoderAttentionConfig> {
+    let base = r#""hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2"#;
+    layer_of(arch, base, extra, 0)
+}
+
 /// Layer `layer_idx` of `arch` from the config.json object `{base extra}` (`extra` empty or
 /// starting with a comma).
 fn layer_of(arch: &str, base: &str, extra: &str, layer_idx: usize) -> Result<DecoderAttentionConfig> {
@@ -1055,8 +1062,7 @@ fn mixtral_and_gemma_follow_their_config_classes() -> Result<()> {
 /// check the windows, norms and ropes against transformers.)
 #[test]
 fn qwen_moe_biases_and_windows_follow_their_config_classes() -> Result<()> {
-    let base = r#""hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2"#;
-    let cfg = |arch: &str, extra: &str| layer_of(arch, base, extra, 0);
+    let cfg = small;
     let qkv = |b: bool| QkvLayout::separate(b, b, b, false);
     assert_eq!(cfg("qwen2_moe", "")?.layout, qkv(true));
     assert_eq!(cfg("qwen2_moe", r#", "qkv_bias": false"#)?.layout, qkv(false));
@@ -1089,8 +1095,7 @@ fn qwen_moe_biases_and_windows_follow_their_config_classes() -> Result<()> {
 /// `granite_*` check the outputs).
 #[test]
 fn starcoder2_biases_and_granite_scale_follow_their_config_classes() -> Result<()> {
-    let base = r#""hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2"#;
-    let cfg = |arch: &str, extra: &str| layer_of(arch, base, extra, 0);
+    let cfg = small;
     let all = |b: bool| QkvLayout::separate(b, b, b, b);
     assert_eq!(cfg("starcoder2", "")?.layout, all(true));
     assert_eq!(cfg("starcoder2", r#", "use_bias": false"#)?.layout, all(false));
@@ -1110,7 +1115,7 @@ fn starcoder2_biases_and_granite_scale_follow_their_config_classes() -> Result<(
     );
     let inf = HfConfig {
         attention_multiplier: Some(f64::INFINITY),
-        ..hf(&format!("{{{base}}}"))
+        ..hf(r#"{"hidden_size": 32, "num_attention_heads": 4}"#)
     };
     let e = err_msg(DecoderAttentionConfig::from_hf("granite", &inf, 0, false));
     assert!(e.contains("attention_multiplier must be finite, got inf"), "{e}");
