@@ -20,6 +20,12 @@
 //! such as its K/V pack) and the second. A buffer kept from an earlier case of the same
 //! process is not counted again; run one `--case` per process for a standalone figure.
 //!
+//! `decode_gqa_cache` and `decode_b4_cache` are `decode_gqa` and `decode_b4` with K/V
+//! read from a full [`KvCache`](candle_attention::KvCache), as a model's decode loop reads
+//! them: on Linux its buffers are advised for transparent huge pages, which candle's own
+//! tensors are not. Every implementation takes the same K/V (candle-nn's `flash_attn`
+//! takes a `(B, S, H, D)` copy, as in every case).
+//!
 //! Before the first case and after the last, the bench also measures the machine's f32
 //! FMA peak on all of the kernel's threads at once (a register-only loop of independent
 //! fused multiply-adds in the kernel's instruction set) and prints it to stderr, so a
@@ -30,7 +36,9 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use candle_attention::{sdpa, AttnMask, MhaArgs, MultiheadAttention, MultiheadAttentionConfig, SdpaOptions};
+use candle_attention::{
+    sdpa, AttnMask, KvCache, MhaArgs, MultiheadAttention, MultiheadAttentionConfig, SdpaOptions,
+};
 use candle_core::{DType, Device, Module, Tensor};
 
 #[derive(Clone, Copy)]
@@ -47,6 +55,9 @@ struct Case {
     dtypes: &'static [DType],
     /// Also time candle's paths (off where they would need gigabytes or minutes).
     candle: bool,
+    /// K/V are the views of a full `KvCache` (as in a model's decode loop) instead of
+    /// tensors of their own.
+    cache: bool,
 }
 
 const ALL: &[DType] = &[DType::F32, DType::BF16, DType::F16];
@@ -54,16 +65,18 @@ const F32: &[DType] = &[DType::F32];
 
 #[rustfmt::skip]
 const CASES: &[Case] = &[
-    Case { name: "enc512", b: 1, hq: 16, hkv: 16, l: 512, s: 512, d: 64, causal: false, pad: false, dtypes: ALL, candle: true },
-    Case { name: "enc1k_d128", b: 1, hq: 16, hkv: 16, l: 1024, s: 1024, d: 128, causal: false, pad: false, dtypes: ALL, candle: true },
-    Case { name: "gpt1k_causal", b: 1, hq: 32, hkv: 32, l: 1024, s: 1024, d: 64, causal: true, pad: false, dtypes: ALL, candle: true },
-    Case { name: "gpt2k_causal_d128", b: 1, hq: 32, hkv: 32, l: 2048, s: 2048, d: 128, causal: true, pad: false, dtypes: ALL, candle: true },
-    Case { name: "bert_pad", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: true, dtypes: ALL, candle: true },
-    Case { name: "long8k_causal", b: 1, hq: 8, hkv: 8, l: 8192, s: 8192, d: 64, causal: true, pad: false, dtypes: F32, candle: true },
-    Case { name: "long32k_causal", b: 1, hq: 8, hkv: 8, l: 32768, s: 32768, d: 64, causal: true, pad: false, dtypes: F32, candle: false },
-    Case { name: "decode_gqa", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true },
-    Case { name: "decode_b4", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true },
-    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: false, dtypes: F32, candle: true },
+    Case { name: "enc512", b: 1, hq: 16, hkv: 16, l: 512, s: 512, d: 64, causal: false, pad: false, dtypes: ALL, candle: true, cache: false },
+    Case { name: "enc1k_d128", b: 1, hq: 16, hkv: 16, l: 1024, s: 1024, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false },
+    Case { name: "gpt1k_causal", b: 1, hq: 32, hkv: 32, l: 1024, s: 1024, d: 64, causal: true, pad: false, dtypes: ALL, candle: true, cache: false },
+    Case { name: "gpt2k_causal_d128", b: 1, hq: 32, hkv: 32, l: 2048, s: 2048, d: 128, causal: true, pad: false, dtypes: ALL, candle: true, cache: false },
+    Case { name: "bert_pad", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: true, dtypes: ALL, candle: true, cache: false },
+    Case { name: "long8k_causal", b: 1, hq: 8, hkv: 8, l: 8192, s: 8192, d: 64, causal: true, pad: false, dtypes: F32, candle: true, cache: false },
+    Case { name: "long32k_causal", b: 1, hq: 8, hkv: 8, l: 32768, s: 32768, d: 64, causal: true, pad: false, dtypes: F32, candle: false, cache: false },
+    Case { name: "decode_gqa", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false },
+    Case { name: "decode_b4", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false },
+    Case { name: "decode_gqa_cache", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true },
+    Case { name: "decode_b4_cache", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true },
+    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: false, dtypes: F32, candle: true, cache: false },
 ];
 
 fn dtype_name(dt: DType) -> &'static str {
@@ -218,8 +231,14 @@ fn bench_case(
         bytes = (2 * c.b * c.l * e) as f64 * dt.size_in_bytes() as f64;
     } else {
         let q = rnd(&[c.b, c.hq, c.l, c.d])?;
-        let k = rnd(&[c.b, c.hkv, c.s, c.d])?;
-        let v = rnd(&[c.b, c.hkv, c.s, c.d])?;
+        let mut k = rnd(&[c.b, c.hkv, c.s, c.d])?;
+        let mut v = rnd(&[c.b, c.hkv, c.s, c.d])?;
+        if c.cache {
+            // The buffers a model's decode loop reads: on Linux they are advised for huge
+            // pages, which tensors of candle's own allocation are not.
+            let view = KvCache::with_max_len(c.s).append(&k, &v)?;
+            (k, v) = (view.k, view.v);
+        }
         // Key padding: in half the batch rows, the last quarter of the keys is masked.
         let keep = if c.pad {
             let rows: Vec<u8> = (0..c.b)
@@ -505,15 +524,35 @@ fn sum_f32(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + x.chunks_exact(32).remainder().iter().sum::<f32>()
 }
 
+/// A [`BW_BYTES`] buffer of ones, on huge pages where `huge` and Linux grants them (the
+/// advice `KvCache` gives its buffers), else on the allocator's pages (4 KiB).
+fn bw_buffer(huge: bool) -> Vec<f32> {
+    let n = BW_BYTES / 4;
+    let mut buf: Vec<f32> = Vec::with_capacity(n);
+    #[cfg(target_os = "linux")]
+    if huge {
+        const HP: usize = 2 << 20;
+        let addr = buf.as_mut_ptr() as usize;
+        let (start, end) = ((addr + HP - 1) & !(HP - 1), (addr + BW_BYTES) & !(HP - 1));
+        // SAFETY: `[start, end)` lies inside the capacity of `buf`, which nothing has
+        // written yet; the advice only changes how its pages are faulted in.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = huge;
+    // Filled before timing, so the pages are resident.
+    buf.resize(n, 1.0);
+    buf
+}
+
 /// The machine's DRAM read bandwidth in GB/s with every rayon thread (the kernel's pool)
-/// summing its own contiguous share of a [`BW_BYTES`] buffer at once, the median of
-/// three runs of about `secs` each (the decode cases' `gbps` can be read as a fraction
-/// of it), and the thread count.
-fn read_bw(secs: f64) -> (f64, usize) {
+/// summing its own contiguous share of a [`BW_BYTES`] buffer at once (of huge pages
+/// where `huge`), the median of three runs of about `secs` each (the decode cases' `gbps`
+/// can be read as a fraction of it), and the thread count.
+fn read_bw(secs: f64, huge: bool) -> (f64, usize) {
     let threads = rayon::current_num_threads().max(1);
     let n = BW_BYTES / 4;
-    // Filled before timing, so the pages are resident.
-    let buf = vec![1.0f32; n];
+    let buf = bw_buffer(huge);
     let per = n / threads;
     let pass = |reps: usize| -> f64 {
         let t = Instant::now();
@@ -538,9 +577,10 @@ fn report_peak(when: &str) {
         Some((g, t, isa)) => eprintln!("fma_peak {when}: {g:.1} GFLOP/s f32 ({t} threads, {isa})"),
         None => eprintln!("fma_peak {when}: not measured (portable kernel)"),
     }
-    let (bw, t) = read_bw(0.5);
+    let (bw, t) = read_bw(0.5, false);
+    let (bw_huge, _) = read_bw(0.5, true);
     eprintln!(
-        "read_bw {when}: {bw:.1} GB/s ({t} threads, {} MiB)",
+        "read_bw {when}: {bw:.1} GB/s with 4 KiB pages, {bw_huge:.1} GB/s with huge pages ({t} threads, {} MiB)",
         BW_BYTES >> 20
     );
 }

@@ -4,9 +4,12 @@
 //!
 //! - [`KvCache::new`] grows by doubling its buffer, so `n` appends copy `O(n)` rows in all.
 //! - [`KvCache::with_max_len`] allocates once and refuses to overflow.
-//! - [`KvCache::rotating`] keeps only the last `window` tokens in a ring buffer, for
-//!   sliding-window attention. Its keys come back in ring order, with their absolute
-//!   positions, which is all attention needs to build its mask.
+//! - [`KvCache::rotating`] keeps only the last `window` tokens in a ring buffer of
+//!   `window + 1` slots, for sliding-window attention. Its keys come back in ring order,
+//!   with their absolute positions, which is all attention needs to build its mask. A
+//!   step of one token onto a full window (every decode step once the window is full)
+//!   returns the ring itself, with no copy; so does any append while the held and new
+//!   tokens lie side by side in the ring. Other appends copy.
 //!
 //! Every sequence of a batch shares one index space: with left padding, the padded
 //! slots are cached like any other and masked by the attention mask.
@@ -32,8 +35,10 @@ pub struct KvView {
 
 /// A key/value cache for one attention layer.
 ///
-/// The tensors returned by [`KvCache::append`] may share storage with the cache:
-/// after [`KvCache::truncate`], a later append overwrites what an older view showed.
+/// The tensors returned by [`KvCache::append`] may share storage with the cache, as
+/// candle-nn's caches do: a later append overwrites what an older view showed, after
+/// [`KvCache::truncate`] for a linear cache and at any time for a rotating one. Use each
+/// view before the next append (or `copy` it).
 /// `clone` copies the buffers, so a clone evolves independently (beam search).
 #[derive(Debug)]
 pub struct KvCache {
@@ -50,8 +55,12 @@ pub struct KvCache {
 
 impl Clone for KvCache {
     fn clone(&self) -> Self {
-        // Deep copy: appends write into the buffers in place.
-        let copy = |t: &Option<Tensor>| t.as_ref().and_then(|t| t.copy().ok());
+        // Deep copy: appends write into the buffers in place. The copies are allocated
+        // like the originals (huge pages on the CPU).
+        let copy = |t: &Option<Tensor>| {
+            t.as_ref()
+                .and_then(|t| t.dim(SEQ).and_then(|n| grow(Some(t), t, n, n)).ok())
+        };
         Self {
             mode: self.mode.clone(),
             k: copy(&self.k),
@@ -87,10 +96,10 @@ impl KvCache {
         if window == 0 {
             candle::bail!("rotating KV cache needs a window of at least 1 token")
         }
-        // The ring of slot positions, and the slot indices (u32), must fit.
-        if window > u32::MAX as usize {
+        // The ring has one slot more than the window, and its slot indices (u32) must fit.
+        if window >= u32::MAX as usize {
             candle::bail!(
-                "rotating KV cache: a window of {window} tokens is more than {} slots",
+                "rotating KV cache: a window of {window} tokens needs one slot more, and at most {} slots fit",
                 u32::MAX
             )
         }
@@ -279,45 +288,77 @@ impl KvCache {
 
     fn append_rotating(&mut self, k: &Tensor, v: &Tensor, w: usize) -> Result<KvView> {
         let l = k.dim(SEQ)?;
+        // One slot more than the window: a step that adds one token to `w` held ones finds
+        // a free slot, so attention reads the whole ring in place instead of a copy.
+        let slots = w + 1;
         if self.k.is_none() {
-            self.k = Some(grow(None, k, 0, w)?);
-            self.v = Some(grow(None, v, 0, w)?);
+            self.k = Some(grow(None, k, 0, slots)?);
+            self.v = Some(grow(None, v, 0, slots)?);
         }
-        if self.ring.len() != w {
-            self.ring = vec![None; w];
+        if self.ring.len() != slots {
+            self.ring = vec![None; slots];
         }
         let (ck, cv) = self.buffers()?;
-        // Attention sees the held tokens (ring order) followed by the new ones.
-        let held: Vec<u32> = (0..w as u32)
-            .filter(|&s| self.ring[s as usize].is_some())
-            .collect();
-        let mut positions: Vec<usize> = self.ring.iter().flatten().copied().collect();
-        positions.extend(self.seen..self.seen + l);
-        let (kk, vv) = if held.is_empty() {
-            (k.clone(), v.clone())
-        } else {
-            let (old_k, old_v) = if held.len() == w {
-                (ck.clone(), cv.clone())
+        // The held tokens are the positions `first..seen`, at slots `position % slots`.
+        let held = self.len();
+        let first = self.seen - held;
+        let n = held + l;
+        let view = if n <= slots {
+            // Held and new tokens fit side by side: store the new ones, then attention
+            // reads them all from the ring.
+            store_ring(&ck, k, self.seen, slots)?;
+            store_ring(&cv, v, self.seen, slots)?;
+            for p in self.seen..self.seen + l {
+                self.ring[p % slots] = Some(p);
+            }
+            if n == slots {
+                // Every slot: the whole buffers, in slot order, with no copy.
+                KvView {
+                    k: ck.clone(),
+                    v: cv.clone(),
+                    positions: self.ring.iter().flatten().copied().collect(),
+                }
             } else {
-                let idx = Tensor::new(held.as_slice(), k.device())?;
-                (select_seq(&ck, &idx)?, select_seq(&cv, &idx)?)
+                KvView {
+                    k: ring_arc(&ck, first % slots, n)?,
+                    v: ring_arc(&cv, first % slots, n)?,
+                    positions: (first..first + n).collect(),
+                }
+            }
+        } else {
+            // More tokens than slots: copy the held ones out before the new ones evict
+            // them, then store the last `w` new tokens.
+            let (kk, vv) = if held == 0 {
+                (k.clone(), v.clone())
+            } else {
+                (
+                    cat_seq(&ring_arc(&ck, first % slots, held)?, k)?,
+                    cat_seq(&ring_arc(&cv, first % slots, held)?, v)?,
+                )
             };
-            (cat_seq(&old_k, k)?, cat_seq(&old_v, v)?)
+            let view = KvView {
+                k: kk,
+                v: vv,
+                positions: (first..first + n).collect(),
+            };
+            let keep = l.min(w);
+            let from = self.seen + l - keep;
+            store_ring(&ck, &k.narrow(SEQ, l - keep, keep)?, from, slots)?;
+            store_ring(&cv, &v.narrow(SEQ, l - keep, keep)?, from, slots)?;
+            for p in from..from + keep {
+                self.ring[p % slots] = Some(p);
+            }
+            view
         };
-        // Store the last min(l, w) new tokens at slot = position % w.
-        for t in l - l.min(w)..l {
-            let pos = self.seen + t;
-            let slot = pos % w;
-            set_seq(&ck, &k.narrow(SEQ, t, 1)?, slot)?;
-            set_seq(&cv, &v.narrow(SEQ, t, 1)?, slot)?;
-            self.ring[slot] = Some(pos);
-        }
         self.seen += l;
-        Ok(KvView {
-            k: kk,
-            v: vv,
-            positions,
-        })
+        // Keep the last `w` tokens.
+        let oldest = self.seen.saturating_sub(w);
+        for s in self.ring.iter_mut() {
+            if s.is_some_and(|p| p < oldest) {
+                *s = None;
+            }
+        }
+        Ok(view)
     }
 
     fn buffers(&self) -> Result<(Tensor, Tensor)> {
@@ -329,6 +370,10 @@ impl KvCache {
 }
 
 /// A zeroed `(B, H, cap, D)` buffer like `like`, holding the first `len` tokens of `old`.
+///
+/// On the CPU, large buffers are advised for transparent huge pages before they are
+/// written (`kernels::cpu::pages::zeroed`): decode reads the whole cache at every step,
+/// and it streams 5–14% faster from huge pages.
 fn grow(old: Option<&Tensor>, like: &Tensor, len: usize, cap: usize) -> Result<Tensor> {
     let (b, h, _, d) = like.dims4()?;
     let bytes = [b, h, cap, d, like.dtype().size_in_bytes()]
@@ -342,7 +387,7 @@ fn grow(old: Option<&Tensor>, like: &Tensor, len: usize, cap: usize) -> Result<T
             like.dtype()
         )
     }
-    let buf = Tensor::zeros((b, h, cap, d), like.dtype(), like.device())?;
+    let buf = crate::kernels::cpu::pages::zeroed(&(b, h, cap, d).into(), like.dtype(), like.device())?;
     if let Some(old) = old {
         if len > 0 {
             set_seq(&buf, &old.narrow(SEQ, 0, len)?, 0)?;
@@ -363,13 +408,28 @@ fn set_seq(dst: &Tensor, src: &Tensor, at: usize) -> Result<()> {
     dst.slice_set(&src.contiguous()?, SEQ, at)
 }
 
-/// The tokens `idx` of `t` along the sequence dim.
-fn select_seq(t: &Tensor, idx: &Tensor) -> Result<Tensor> {
-    if t.elem_count() == 0 {
-        let (b, h, _, d) = t.dims4()?;
-        return Tensor::zeros((b, h, idx.elem_count(), d), t.dtype(), t.device());
+/// Stores `src` `(B, H, L, D)`, the tokens at positions `from..from + L` (`L <= slots`),
+/// at their slots `position % slots` of the ring `dst`.
+fn store_ring(dst: &Tensor, src: &Tensor, from: usize, slots: usize) -> Result<()> {
+    let l = src.dim(SEQ)?;
+    let at = from % slots;
+    let head = l.min(slots - at);
+    set_seq(dst, &src.narrow(SEQ, 0, head)?, at)?;
+    if head < l {
+        set_seq(dst, &src.narrow(SEQ, head, l - head)?, 0)?;
     }
-    t.index_select(idx, SEQ)
+    Ok(())
+}
+
+/// The `n` slots of the ring `t` from slot `at` on, wrapping past the end: a view when
+/// they do not wrap, else a copy.
+fn ring_arc(t: &Tensor, at: usize, n: usize) -> Result<Tensor> {
+    let slots = t.dim(SEQ)?;
+    if at + n <= slots {
+        return t.narrow(SEQ, at, n);
+    }
+    let head = slots - at;
+    cat_seq(&t.narrow(SEQ, at, head)?, &t.narrow(SEQ, 0, n - head)?)
 }
 
 /// `a` then `b` along the sequence dim.
@@ -384,4 +444,160 @@ fn cat_seq(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         _ => Ok(t.clone()),
     };
     Tensor::cat(&[&part(a)?, &part(b)?], SEQ)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle::{DType, Device};
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    /// A clone holds what the original holds and then evolves apart from it, for
+    /// linear, fixed and rotating caches.
+    #[test]
+    fn clones_hold_the_same_tokens_in_every_mode() -> Result<()> {
+        let dev = Device::Cpu;
+        for mut cache in [KvCache::new(), KvCache::with_max_len(40), KvCache::rotating(7)?] {
+            cache.append(
+                &Tensor::randn(0f32, 1., (2, 3, 9, 4), &dev)?,
+                &Tensor::randn(0f32, 1., (2, 3, 9, 5), &dev)?,
+            )?;
+            let mut other = cache.clone();
+            let (k, v) = (
+                Tensor::randn(0f32, 1., (2, 3, 2, 4), &dev)?,
+                Tensor::randn(0f32, 1., (2, 3, 2, 5), &dev)?,
+            );
+            let a = cache.append(&k, &v)?;
+            let b = other.append(&k, &v)?;
+            assert_eq!(a.positions, b.positions, "{:?}", cache.mode);
+            assert_eq!(max_diff(&a.k, &b.k)?, 0.0, "{:?}", cache.mode);
+            assert_eq!(max_diff(&a.v, &b.v)?, 0.0, "{:?}", cache.mode);
+            // Writing into the clone leaves the original alone.
+            let before = cache.current()?.expect("the cache holds tokens");
+            other.append(&(&k + 1.0)?, &v)?;
+            let after = cache.current()?.expect("the cache holds tokens");
+            assert_eq!(before.positions, after.positions, "{:?}", cache.mode);
+            assert_eq!(max_diff(&before.k, &after.k)?, 0.0, "{:?}", cache.mode);
+        }
+        Ok(())
+    }
+
+    /// Tokens `from..from + l` as `(1, 2, l, 3)` keys and `(1, 2, l, 1)` values whose
+    /// every element is the token's position plus one.
+    fn tokens(from: usize, l: usize) -> Result<(Tensor, Tensor)> {
+        let pos: Vec<f32> = (from..from + l).map(|p| p as f32 + 1.0).collect();
+        let t = Tensor::from_vec(pos, (1, 1, l, 1), &Device::Cpu)?;
+        Ok((
+            t.broadcast_as((1, 2, l, 3))?.contiguous()?,
+            t.broadcast_as((1, 2, l, 1))?.contiguous()?,
+        ))
+    }
+
+    /// The position of each key of a view (its stored value minus one), checking that
+    /// every element of a key and of its value agree.
+    fn stored_positions(view: &KvView) -> Result<Vec<usize>> {
+        let s = view.k.dim(SEQ)?;
+        let k = view.k.transpose(2, 3)?.flatten_to(2)?.to_vec2::<f32>()?;
+        let v = view.v.transpose(2, 3)?.flatten_to(2)?.to_vec2::<f32>()?;
+        let mut out = Vec::new();
+        for j in 0..s {
+            let x = k[0][j];
+            let all_k = (0..k.len()).all(|r| k[r][j] == x);
+            let all_v = (0..v.len()).all(|r| v[r][j] == x);
+            assert!(all_k && all_v, "key {j} mixes tokens");
+            out.push(x as usize - 1);
+        }
+        Ok(out)
+    }
+
+    /// A rotating cache against a plain model of it, over appends of 0 to w + 2 tokens
+    /// and truncations: each view holds exactly the kept tokens plus the new ones, each
+    /// under its own position, and a step of one token onto a full window reads the
+    /// cache's own buffers (no copy).
+    #[test]
+    fn rotating_views_hold_the_kept_and_new_tokens() -> Result<()> {
+        for w in [1usize, 2, 3, 5] {
+            let mut cache = KvCache::rotating(w)?;
+            // The model: the positions held after each call.
+            let mut held: Vec<usize> = Vec::new();
+            let mut seen = 0usize;
+            let mut rng = 0x2545_f491u32;
+            let mut next = |n: u32| {
+                rng ^= rng << 13;
+                rng ^= rng >> 17;
+                rng ^= rng << 5;
+                rng % n
+            };
+            let mut in_place = 0;
+            for step in 0..200 {
+                if step % 17 == 16 && seen > 0 {
+                    // Truncate to 0, or to a length whose next token sees only held keys.
+                    let oldest = held.first().copied().unwrap_or(seen);
+                    let lo = (oldest + w - 1).min(seen);
+                    let n = match next(4) {
+                        0 => 0,
+                        _ => lo + next((seen - lo) as u32 + 1) as usize,
+                    };
+                    cache.truncate(n)?;
+                    held.retain(|&p| p < n);
+                    seen = n;
+                    continue;
+                }
+                let l = match next(6) {
+                    0 => 0,
+                    1 => 2,
+                    2 => w + 2,
+                    _ => 1,
+                };
+                let (k, v) = tokens(seen, l)?;
+                let view = cache.append(&k, &v)?;
+                let mut want: Vec<usize> = held.iter().copied().chain(seen..seen + l).collect();
+                assert_eq!(stored_positions(&view)?, view.positions, "w {w} step {step}");
+                let mut got = view.positions.clone();
+                got.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(got, want, "w {w} step {step}");
+                let full_step = l == 1 && held.len() == w;
+                seen += l;
+                held = want.iter().copied().filter(|&p| p + w >= seen).collect();
+                assert_eq!(cache.len(), held.len());
+                assert_eq!(cache.seen(), seen);
+                if full_step {
+                    let (ck, _) = cache.buffers()?;
+                    let ptr = |t: &Tensor| &*t.storage_and_layout().0 as *const candle::Storage;
+                    assert_eq!(ptr(&view.k), ptr(&ck), "w {w} step {step}: the view is a copy");
+                    in_place += 1;
+                }
+            }
+            assert!(in_place > 20, "w {w}: only {in_place} steps onto a full window");
+        }
+        Ok(())
+    }
+
+    /// On Linux, a CPU cache buffer of 8 MiB, and its clone, are marked for huge pages.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn large_cpu_buffers_are_marked_for_huge_pages() -> Result<()> {
+        use crate::kernels::cpu::pages::{marked_for_huge_pages, storage_span, thp_available};
+        if !thp_available() {
+            eprintln!("transparent huge pages off or absent: nothing to check");
+            return Ok(());
+        }
+        let mut cache = KvCache::with_max_len(4096);
+        let kv = Tensor::ones((1, 8, 1, 128), DType::BF16, &Device::Cpu)?;
+        cache.append(&kv, &kv)?;
+        let other = cache.clone();
+        for c in [&cache, &other] {
+            let (k, v) = c.buffers()?;
+            for t in [k, v] {
+                let (addr, len) = storage_span(&t);
+                assert_eq!(len, 8 << 20);
+                assert_eq!(marked_for_huge_pages(addr, len), Some(true));
+            }
+        }
+        Ok(())
+    }
 }

@@ -82,7 +82,7 @@ pub(crate) mod linear;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod pack;
-mod pages;
+pub(crate) mod pages;
 pub(crate) mod par;
 mod portable;
 
