@@ -13,7 +13,10 @@ use crate::sdpa::compute_dtype;
 /// On an x86-64 CPU with AVX-512 or AVX2+FMA, f32 products run on this crate's kernel, and from its second
 /// call on a `Proj` keeps its weight packed for it (`4 · out · in` bytes, shared by
 /// clones) while all kept packs fit `CANDLE_ATTENTION_PACK_CACHE_MB` (256 MiB by default;
-/// 0 keeps none). Inputs or weights that record gradients take candle's `matmul`.
+/// 0 keeps none). Products of fewer rows than the kernel's register tile (14 rows with
+/// AVX-512, 6 with AVX2), such as decode steps, run on the kernel only against the kept
+/// pack, with the threads splitting the output columns; without a pack they take
+/// candle's `matmul`. Inputs or weights that record gradients take candle's `matmul`.
 #[derive(Clone, Debug)]
 pub struct Proj {
     weight: Tensor,
@@ -81,16 +84,27 @@ impl Proj {
     /// second product on, the projection keeps its pack (`4 · out · in` bytes), so later
     /// calls skip that step (8% of a 1024×768×768 product), as long as all packs kept in
     /// the process fit the budget `CANDLE_ATTENTION_PACK_CACHE_MB` (256 MiB by default;
-    /// 0 keeps none). A weight used once is never kept.
+    /// 0 keeps none). A weight used once is never kept. Fewer rows than a register tile
+    /// run on the kernel only against the kept pack: packing for one such call would
+    /// read the weight twice.
     fn matmul_bias(&self, x: &Tensor, b: Option<&Tensor>, cd: DType) -> Result<Tensor> {
         let w = &self.weight;
         #[cfg(target_arch = "x86_64")]
-        if crate::kernels::cpu::linear::applies(x, w) {
-            use crate::kernels::cpu::linear::{linear, linear_packed};
-            return match self.kept_pack()? {
-                Some(p) => linear_packed(x, p, b),
-                None => linear(x, w, b),
-            };
+        {
+            use crate::kernels::cpu::linear::{applies, applies_packed, linear, linear_packed};
+            if applies(x, w) {
+                return match self.kept_pack()? {
+                    Some(p) => linear_packed(x, p, b),
+                    None => linear(x, w, b),
+                };
+            }
+            // Fewer rows than a register tile (a decode step): only against the kept
+            // pack, since packing for one call would read the weight twice.
+            if applies_packed(x, w) {
+                if let Some(p) = self.kept_pack()? {
+                    return linear_packed(x, p, b);
+                }
+            }
         }
         Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)
     }

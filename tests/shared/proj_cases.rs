@@ -3,7 +3,8 @@
 //! AVX-512 (14-row) and AVX2 (6-row) tiles, partial 16-output panels (masked stores) and
 //! an odd panel count, contraction lengths that are not multiples of 16 (the W pack's
 //! 16×16 transposes) or of 4 (the products' unrolled steps, also after a full
-//! contraction chunk of 768), several parallel row blocks, with and without bias. Every
+//! contraction chunk of 768), several parallel row blocks, fewer rows than a tile (the
+//! kept pack's column-split product), with and without bias. Every
 //! projection is applied twice: the first product packs the weight for that call only,
 //! the second keeps the pack and uses it. Used by `tests/proj.rs` and, with the AVX2
 //! kernel forced, by `tests/kernel_avx2.rs`.
@@ -36,7 +37,11 @@ pub fn projections_match_matmul() -> Result<usize> {
     // AVX-512 tile and 1..5 of the 6-row AVX2 tile (with a pair of output panels and a
     // single last one).
     let short = (15..28).map(|rows| (rows, 40, 48));
-    for (rows, inp, out) in shapes.into_iter().chain(short) {
+    // Fewer rows than a tile (decode steps): the kept pack's column-split product from
+    // the second call on, with an odd number of panel pairs, a partial last panel and a
+    // contraction past one chunk.
+    let few = (1..15).map(|rows| (rows, 800, 80 + rows));
+    for (rows, inp, out) in shapes.into_iter().chain(short).chain(few) {
         let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
         let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / (inp as f64).sqrt())?;
         let b = Tensor::randn(0f32, 1.0, out, &dev)?;

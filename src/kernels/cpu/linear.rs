@@ -33,12 +33,27 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
 
 /// [`applies`] to `x (…, in)` viewed as `(rows, in)`.
 pub(crate) fn applies_rows(x: &Tensor, w: &Tensor) -> bool {
+    takes(x, w).is_some_and(|(rows, tile)| rows >= tile)
+}
+
+/// Whether [`linear_packed`] takes `x (rows, in)` against a packed `w`, for any number
+/// of rows from 1 on. Below one register tile of rows (a decode step) the product is
+/// worth running only against a weight packed once: packing it for every call would
+/// read the weight twice.
+pub(crate) fn applies_packed(x: &Tensor, w: &Tensor) -> bool {
+    x.rank() == 2 && takes(x, w).is_some_and(|(rows, _)| rows >= 1)
+}
+
+/// `(rows, register tile rows)` when the product takes `x (…, in)` and `w` but for the
+/// number of rows: f32 `x` on the CPU, an f32/f16/bf16 weight of at least 4096
+/// elements, the AVX-512 or AVX2 kernel selected, and no gradients.
+fn takes(x: &Tensor, w: &Tensor) -> Option<(usize, usize)> {
     let (Some(&inp), Ok((out, win))) = (x.dims().last(), w.dims2()) else {
-        return false;
+        return None;
     };
     let rows = x.elem_count() / inp.max(1);
     // Tensors that record gradients take candle's ops: this product has no backward.
-    !x.track_op()
+    let ok = !x.track_op()
         && !w.track_op()
         && x.device().is_cpu()
         && w.device().is_cpu()
@@ -46,8 +61,9 @@ pub(crate) fn applies_rows(x: &Tensor, w: &Tensor) -> bool {
         && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && inp == win
         && inp * out >= 4096
-        && cfg!(target_arch = "x86_64")
-        && tile_rows(Isa::selected()).is_some_and(|t| rows >= t)
+        && cfg!(target_arch = "x86_64");
+    ok.then(|| tile_rows(Isa::selected()).map(|t| (rows, t)))
+        .flatten()
 }
 
 /// Rows of the register tile of `isa`'s product, for the instruction sets that have one.
@@ -301,6 +317,9 @@ fn product(
     assert_eq!(y.len(), rows * out);
     let isa = Isa::selected();
     let tile = tile_rows(isa).expect("`applies` selected an instruction set with a product");
+    if rows.div_ceil(tile) < par::threads() {
+        return product_by_columns(xv, wp, bv, (rows, inp, out), y, isa);
+    }
     // Row blocks of about `ROWS` rows, as many as a multiple of the thread count, with
     // whole register tiles split evenly (block sizes differ by at most one tile), so the
     // threads get equal work.
@@ -342,6 +361,64 @@ fn product(
     });
 }
 
+/// [`product`] for fewer register tiles of rows than threads (a decode step): the
+/// threads split the output columns (whole pairs of 16-output panels) instead of the
+/// rows, so that all of them stream the weight. Each writes its columns into a buffer
+/// of its own, copied into `y` at the end (`rows · out` floats, a few KiB for a decode
+/// step).
+fn product_by_columns(
+    xv: &[f32],
+    wp: &[f32],
+    bv: Option<&[f32]>,
+    (rows, inp, out): (usize, usize, usize),
+    y: &mut [MaybeUninit<f32>],
+    isa: Isa,
+) {
+    let np = out.div_ceil(NR);
+    let pairs = np.div_ceil(2);
+    let nb = par::threads().min(pairs).max(1);
+    let mut parts: Vec<(usize, usize, Vec<f32>)> = (0..nb)
+        .map(|i| {
+            let p0 = (2 * (i * pairs / nb)).min(np);
+            let p1 = (2 * ((i + 1) * pairs / nb)).min(np);
+            let cols = (p1 * NR).min(out) - p0 * NR;
+            (p0, cols, vec![0f32; rows * cols])
+        })
+        .filter(|(_, cols, _)| *cols > 0)
+        .collect();
+    par::vec_for_each(parts.iter_mut().collect(), |(p0, cols, buf)| {
+        let (p0, cols) = (*p0, *cols);
+        let panels = &wp[p0 * inp * NR..(p0 + cols.div_ceil(NR)) * inp * NR];
+        let bias = bv.map(|b| &b[p0 * NR..]);
+        let yp = buf.as_mut_ptr();
+        let mut k0 = 0;
+        while k0 < inp {
+            let k1 = (k0 + KC).min(inp);
+            let first = if k0 == 0 { bias } else { None };
+            // SAFETY: `applies_packed` selected this instruction set, so the machine
+            // has it; `buf` holds `rows` rows of `cols` floats. The first chunk writes
+            // every element before later chunks read them.
+            unsafe {
+                let chunk = (k0, k1, inp);
+                match isa {
+                    Isa::Avx512 => avx512::gemm(xv, inp, rows, chunk, panels, cols, yp, cols, first, k0 > 0),
+                    // `tile_rows` admits only these two.
+                    _ => avx2::gemm(xv, inp, rows, chunk, panels, cols, yp, cols, first, k0 > 0),
+                }
+            };
+            k0 = k1;
+        }
+    });
+    for (p0, cols, buf) in &parts {
+        for (r, src) in buf.chunks_exact(*cols).enumerate() {
+            let dst = &mut y[r * out + p0 * NR..r * out + p0 * NR + cols];
+            for (d, &v) in dst.iter_mut().zip(src) {
+                d.write(v);
+            }
+        }
+    }
+}
+
 fn f32_slice<'a>(st: &'a Storage, lay: &candle::Layout, t: &Tensor) -> Result<&'a [f32]> {
     match (st, lay.contiguous_offsets()) {
         (Storage::Cpu(CpuStorage::F32(v)), Some((a, z))) => Ok(&v[a..z]),
@@ -371,6 +448,53 @@ fn weight_data<'a>(st: &'a Storage, lay: &candle::Layout, t: &Tensor) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The column-split product of a few rows (a decode step) equals an f64 product:
+    /// every row count below two register tiles, output counts of one panel, an odd
+    /// number of panel pairs and a partial last panel, contraction lengths past one
+    /// chunk of `KC`, with and without bias.
+    #[test]
+    fn products_of_a_few_rows_split_by_columns_match_f64() -> Result<()> {
+        let Some(tile) = tile_rows(Isa::selected()) else {
+            eprintln!("no x86-64 product on this machine: nothing to check");
+            return Ok(());
+        };
+        let dev = candle::Device::Cpu;
+        for (inp, out) in [(100, 16), (64, 80), (771, 37), (1600, 129)] {
+            let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?;
+            let (wg, wl) = w.storage_and_layout();
+            let wd = weight_data(&wg, wl, &w)?;
+            let mut wp = vec![0f32; out.div_ceil(NR) * inp * NR];
+            pack_into(wd, (out, inp), &mut wp);
+            let b: Vec<f32> = (0..out).map(|o| o as f32 * 0.25 - 3.0).collect();
+            for rows in 1..2 * tile {
+                let x: Vec<f32> = (0..rows * inp)
+                    .map(|i| ((i * 7919) % 61) as f32 / 30.0 - 1.0)
+                    .collect();
+                let wv = w.to_vec2::<f32>()?;
+                for bias in [None, Some(&b[..])] {
+                    let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
+                    product_by_columns(&x, &wp, bias, (rows, inp, out), &mut y, Isa::selected());
+                    for r in 0..rows {
+                        for o in 0..out {
+                            let want: f64 = (0..inp)
+                                .map(|k| x[r * inp + k] as f64 * wv[o][k] as f64)
+                                .sum::<f64>()
+                                + bias.map_or(0.0, |b| b[o] as f64);
+                            // SAFETY: `product_by_columns` writes every element.
+                            let got = unsafe { y[r * out + o].assume_init() } as f64;
+                            let tol = 1e-5 * (1.0 + (inp as f64).sqrt());
+                            assert!(
+                                (got - want).abs() < tol,
+                                "in {inp} out {out} rows {rows} ({r}, {o}): {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 
     #[test]
     fn reservations_stay_within_the_budget() {
