@@ -26,6 +26,12 @@
 //! tensors are not. Every implementation takes the same K/V (candle-nn's `flash_attn`
 //! takes a `(B, S, H, D)` copy, as in every case).
 //!
+//! `decode_layer_sliding` is one decode step of a whole Mistral-7B attention layer
+//! (projections, RoPE, a rotating cache holding a full window of 4096 keys), f32, B = 1:
+//! `ours` is `DecoderAttention::forward_cached`, `candle_unfused` the same layer written
+//! with candle-nn as candle-transformers writes it (see [`decode_layer`]); `scripts/
+//! bench_vs_torch.py` has no PyTorch side for it.
+//!
 //! Before the first case and after the last, the bench also measures the machine's f32
 //! FMA peak on all of the kernel's threads at once (a register-only loop of independent
 //! fused multiply-adds in the kernel's instruction set) and prints it to stderr, so a
@@ -77,6 +83,7 @@ const CASES: &[Case] = &[
     Case { name: "decode_gqa_cache", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true },
     Case { name: "decode_b4_cache", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true },
     Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: false, dtypes: F32, candle: true, cache: false },
+    Case { name: "decode_layer_sliding", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: true, pad: false, dtypes: F32, candle: true, cache: true },
 ];
 
 fn dtype_name(dt: DType) -> &'static str {
@@ -160,6 +167,149 @@ fn flash(
     }
 }
 
+/// RoPE angles of one position for a half-split rotary of `d` dims and base `theta`:
+/// `(cos, sin)`, each `(1, d / 2)`.
+fn rope_at(pos: usize, d: usize, theta: f64, dev: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let ang: Vec<f32> = (0..d / 2)
+        .map(|i| (pos as f64 * theta.powf(-2.0 * i as f64 / d as f64)) as f32)
+        .collect();
+    let cos: Vec<f32> = ang.iter().map(|a| a.cos()).collect();
+    let sin: Vec<f32> = ang.iter().map(|a| a.sin()).collect();
+    Ok((
+        Tensor::from_vec(cos, (1, d / 2), dev)?,
+        Tensor::from_vec(sin, (1, d / 2), dev)?,
+    ))
+}
+
+/// `decode_layer_sliding`: one decode step of a Mistral-7B attention layer (hidden
+/// 4096, 32 query and 8 KV heads of 128, RoPE θ 1e6, a sliding window of 4096 keys,
+/// no biases), B = 1, with the window's 4096 keys already cached. `ours` is
+/// [`DecoderAttention::forward_cached`] with its rotating `KvCache`; `candle_unfused` is
+/// the same layer written with candle-nn as candle-transformers' Mistral writes it
+/// (`Linear`, `rotary_emb::rope`, `kv_cache::RotatingKvCache`, `repeat_kv`, matmul →
+/// softmax → matmul; no mask for one token). Both caches start from the same K/V, and
+/// their first outputs are compared before timing. Every timed call is one more step,
+/// at the next position. Returns `(flops, bytes)` per call: the projections plus the
+/// window's attention, and the weights plus the K/V read.
+fn decode_layer(
+    c: &Case,
+    dt: DType,
+    rnd: &dyn Fn(&[usize]) -> Result<Tensor>,
+    impls: &mut Vec<Impl>,
+) -> Result<(f64, f64)> {
+    use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, QkvLayout};
+    use candle_attention::{RopeConfig, RopeScaling, RopeStyle};
+    use std::cell::{Cell, RefCell};
+    let dev = Device::Cpu;
+    let (hq, hkv, d, w) = (c.hq, c.hkv, c.d, c.s);
+    let e = hq * d;
+    let theta = 1e6;
+    let cfg = DecoderAttentionConfig {
+        hidden_size: e,
+        num_heads: hq,
+        num_kv_heads: hkv,
+        head_dim: d,
+        layout: QkvLayout::separate(false, false, false, false),
+        qk_norm: None,
+        rope: Some(RopeConfig {
+            head_dim: d,
+            rotary_dim: d,
+            theta,
+            style: RopeStyle::HalfSplit,
+            scaling: RopeScaling::Default,
+        }),
+        alibi: false,
+        softcap: None,
+        sinks: false,
+        sliding_window: Some(w),
+        bidirectional: false,
+        scale: (d as f64).powf(-0.5),
+        cross_attention: false,
+        max_position_embeddings: None,
+    };
+    let scale = 0.5 / (e as f64).sqrt();
+    let wq = (rnd(&[e, e])? * scale)?;
+    let wk = (rnd(&[hkv * d, e])? * scale)?;
+    let wv = (rnd(&[hkv * d, e])? * scale)?;
+    let wo = (rnd(&[e, e])? * scale)?;
+    let map = [("q_proj", &wq), ("k_proj", &wk), ("v_proj", &wv), ("o_proj", &wo)]
+        .into_iter()
+        .map(|(k, v)| (format!("{k}.weight"), v.clone()))
+        .collect();
+    let layer = DecoderAttention::new(&cfg, candle_nn::VarBuilder::from_tensors(map, dt, &dev))?;
+    // The window's keys and values (rotated keys, as a cache holds them).
+    let k0 = rnd(&[c.b, hkv, w, d])?;
+    let v0 = rnd(&[c.b, hkv, w, d])?;
+    let mut ours_cache = layer.new_cache()?;
+    ours_cache.append(&k0, &v0)?;
+    let mut theirs_cache = candle_nn::kv_cache::RotatingKvCache::new(2, w);
+    theirs_cache.append(&k0.contiguous()?, &v0.contiguous()?)?;
+    let x = (rnd(&[c.b, 1, e])? * 0.5)?;
+    let lin = |t: &Tensor| candle_nn::Linear::new(t.clone(), None);
+    let (lq, lk, lv, lo) = (lin(&wq), lin(&wk), lin(&wv), lin(&wo));
+    let (b, g) = (c.b, hq / hkv);
+    let theirs = move |cache: &mut candle_nn::kv_cache::RotatingKvCache,
+                       x: &Tensor,
+                       pos: usize|
+          -> candle_core::Result<Tensor> {
+        let heads = |t: Tensor, h: usize| t.reshape((b, 1, h, d))?.transpose(1, 2)?.contiguous();
+        let q = heads(lq.forward(x)?, hq)?;
+        let k = heads(lk.forward(x)?, hkv)?;
+        let v = heads(lv.forward(x)?, hkv)?;
+        let (cos, sin) = rope_at(pos, d, theta, &Device::Cpu)?;
+        let (cos, sin) = (cos.to_dtype(q.dtype())?, sin.to_dtype(q.dtype())?);
+        let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
+        let k = candle_nn::rotary_emb::rope(&k, &cos, &sin)?;
+        let (k, v) = cache.append(&k, &v)?;
+        let o = unfused(&q, &k, &v, None, (d as f64).powf(-0.5), g)?;
+        lo.forward(&o.transpose(1, 2)?.reshape((b, 1, hq * d))?)
+    };
+    let position = move |p: usize| Tensor::from_vec(vec![p as i64; b], (b, 1), &Device::Cpu);
+    // The first step of both from the same state must agree.
+    let want = theirs(&mut theirs_cache, &x, w)?;
+    let got = layer.forward_cached(&x, &position(w)?, None, Some(&mut ours_cache))?;
+    let diff = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    let size = want
+        .to_dtype(DType::F32)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    eprintln!(
+        "# decode_layer_sliding {}: ours and candle's layer differ by {diff:.1e} (largest output {size:.2})",
+        dtype_name(dt)
+    );
+    if diff.is_nan() || diff > 1e-4 * size {
+        bail!("decode_layer_sliding: ours and candle's layer differ by {diff} (largest output {size})");
+    }
+    let (ours_cache, ours_pos) = (RefCell::new(ours_cache), Cell::new(w + 1));
+    let xo = x.clone();
+    impls.push((
+        "ours",
+        Box::new(move || {
+            let p = ours_pos.replace(ours_pos.get() + 1);
+            let mut cache = ours_cache.borrow_mut();
+            Ok(layer.forward_cached(&xo, &position(p)?, None, Some(&mut cache))?)
+        }),
+    ));
+    let (theirs_cache, theirs_pos) = (RefCell::new(theirs_cache), Cell::new(w + 1));
+    impls.push((
+        "candle_unfused",
+        Box::new(move || {
+            let p = theirs_pos.replace(theirs_pos.get() + 1);
+            Ok(theirs(&mut theirs_cache.borrow_mut(), &x, p)?)
+        }),
+    ));
+    let params = (2 * e * e + 2 * e * hkv * d) as f64;
+    let flops = 2.0 * c.b as f64 * params + 4.0 * (c.b * hq * d * w) as f64;
+    let bytes = (params + (2 * c.b * hkv * w * d) as f64) * dt.size_in_bytes() as f64;
+    Ok((flops, bytes))
+}
+
 struct Row {
     case: &'static str,
     imp: &'static str,
@@ -185,7 +335,9 @@ fn bench_case(
     let mut impls: Vec<Impl> = Vec::new();
     let flops;
     let bytes;
-    if c.name == "mha_layer" {
+    if c.name == "decode_layer_sliding" {
+        (flops, bytes) = decode_layer(c, dt, &rnd, &mut impls)?;
+    } else if c.name == "mha_layer" {
         let e = c.hq * c.d;
         let x = rnd(&[c.b, c.l, e])?;
         let cfg = MultiheadAttentionConfig {
