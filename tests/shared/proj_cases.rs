@@ -32,6 +32,8 @@ pub fn projections_match_matmul() -> Result<usize> {
         (300, 259, 129),
         (60, 771, 40),
         (1024, 768, 768),
+        // Rows 4 KiB apart (copied to a longer stride), in whole tiles and a tail.
+        (45, 1024, 40),
     ];
     // Rows 15..27: full tiles, then a short tile of every height 1..13 of the 14-row
     // AVX-512 tile and 1..5 of the 6-row AVX2 tile (with a pair of output panels and a
@@ -40,7 +42,7 @@ pub fn projections_match_matmul() -> Result<usize> {
     // Fewer rows than a tile (decode steps): the kept pack's column-split product from
     // the second call on, with an odd number of panel pairs, a partial last panel and a
     // contraction past one chunk.
-    let few = (1..15).map(|rows| (rows, 800, 80 + rows));
+    let few = (1..15).map(|rows| (rows, 800, 80 + rows)).chain([(9, 2048, 33)]);
     for (rows, inp, out) in shapes.into_iter().chain(short).chain(few) {
         let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
         let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / (inp as f64).sqrt())?;

@@ -269,6 +269,41 @@ impl std::fmt::Debug for PackedWeight {
 thread_local! {
     /// This thread's W pack, reused across calls.
     static PACK: std::cell::RefCell<AVec<f32>> = std::cell::RefCell::new(AVec::default());
+    /// This thread's copy of the x rows of a block, for [`with_x_rows`].
+    static X_ROWS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `f(x, ldx)` on the `n` rows of `xs` (row stride `inp`), or on a copy of them with a
+/// row stride one cache line longer when `inp` floats are a multiple of 4 KiB.
+///
+/// The products broadcast x from up to 14 rows at once, `ldx` apart. At a multiple of
+/// 4 KiB (every hidden size that is a multiple of 1024) those rows fall in the same
+/// L1 set, more than its 8 ways hold, and the products lose a fifth of their speed: on
+/// the Zen 4 VM (2026-12-04, medians of seven 0.5 s timings) 1024×2048×2048 ran at 164
+/// GFLOP/s and 1024×2000×2048 at 213. Copying the block's rows costs one pass over them.
+fn with_x_rows<R>(xs: &[f32], n: usize, inp: usize, f: impl FnOnce(&[f32], usize) -> R) -> R {
+    if n < 2 || !inp.is_multiple_of(1024) {
+        return f(xs, inp);
+    }
+    let ld = inp + 16;
+    let fill = |buf: &mut Vec<f32>| {
+        buf.clear();
+        buf.resize(n * ld, 0.0);
+        for (dst, src) in buf.chunks_exact_mut(ld).zip(xs.chunks_exact(inp)) {
+            dst[..inp].copy_from_slice(src);
+        }
+    };
+    X_ROWS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            fill(&mut buf);
+            f(&buf, ld)
+        }
+        Err(_) => {
+            let mut buf = Vec::new();
+            fill(&mut buf);
+            f(&buf, ld)
+        }
+    })
 }
 
 /// Packs `W (out, in)` into 16-output panels `[out / 16][in][16]` in `wp`, in parallel.
@@ -339,25 +374,26 @@ fn product(
     par::vec_for_each(blocks, |(r0, ys)| {
         let n = ys.len() / out;
         let yp = ys.as_mut_ptr() as *mut f32;
-        // Contraction chunks of `KC` (see there).
-        let mut k0 = 0;
-        while k0 < inp {
-            let k1 = (k0 + KC).min(inp);
-            let bias = if k0 == 0 { bv } else { None };
-            let xs = &xv[r0 * inp..(r0 + n) * inp];
-            // SAFETY: `applies` selected this instruction set, so the machine has it;
-            // rows `0..n` of this block are inside `ys`. The first chunk writes every
-            // element before later chunks read them.
-            unsafe {
-                let chunk = (k0, k1, inp);
-                match isa {
-                    Isa::Avx512 => avx512::gemm(xs, inp, n, chunk, wp, out, yp, out, bias, k0 > 0),
-                    // `tile_rows` above admits only these two.
-                    _ => avx2::gemm(xs, inp, n, chunk, wp, out, yp, out, bias, k0 > 0),
-                }
-            };
-            k0 = k1;
-        }
+        with_x_rows(&xv[r0 * inp..(r0 + n) * inp], n, inp, |xs, ldx| {
+            // Contraction chunks of `KC` (see there).
+            let mut k0 = 0;
+            while k0 < inp {
+                let k1 = (k0 + KC).min(inp);
+                let bias = if k0 == 0 { bv } else { None };
+                // SAFETY: `applies` selected this instruction set, so the machine has
+                // it; rows `0..n` of this block are inside `ys`. The first chunk writes
+                // every element before later chunks read them.
+                unsafe {
+                    let chunk = (k0, k1, inp);
+                    match isa {
+                        Isa::Avx512 => avx512::gemm(xs, ldx, n, chunk, wp, out, yp, out, bias, k0 > 0),
+                        // `tile_rows` above admits only these two.
+                        _ => avx2::gemm(xs, ldx, n, chunk, wp, out, yp, out, bias, k0 > 0),
+                    }
+                };
+                k0 = k1;
+            }
+        })
     });
 }
 
@@ -386,28 +422,32 @@ fn product_by_columns(
         })
         .filter(|(_, cols, _)| *cols > 0)
         .collect();
-    par::vec_for_each(parts.iter_mut().collect(), |(p0, cols, buf)| {
-        let (p0, cols) = (*p0, *cols);
-        let panels = &wp[p0 * inp * NR..(p0 + cols.div_ceil(NR)) * inp * NR];
-        let bias = bv.map(|b| &b[p0 * NR..]);
-        let yp = buf.as_mut_ptr();
-        let mut k0 = 0;
-        while k0 < inp {
-            let k1 = (k0 + KC).min(inp);
-            let first = if k0 == 0 { bias } else { None };
-            // SAFETY: `applies_packed` selected this instruction set, so the machine
-            // has it; `buf` holds `rows` rows of `cols` floats. The first chunk writes
-            // every element before later chunks read them.
-            unsafe {
-                let chunk = (k0, k1, inp);
-                match isa {
-                    Isa::Avx512 => avx512::gemm(xv, inp, rows, chunk, panels, cols, yp, cols, first, k0 > 0),
-                    // `tile_rows` admits only these two.
-                    _ => avx2::gemm(xv, inp, rows, chunk, panels, cols, yp, cols, first, k0 > 0),
-                }
-            };
-            k0 = k1;
-        }
+    with_x_rows(xv, rows, inp, |xs, ldx| {
+        par::vec_for_each(parts.iter_mut().collect(), |(p0, cols, buf)| {
+            let (p0, cols) = (*p0, *cols);
+            let panels = &wp[p0 * inp * NR..(p0 + cols.div_ceil(NR)) * inp * NR];
+            let bias = bv.map(|b| &b[p0 * NR..]);
+            let yp = buf.as_mut_ptr();
+            let mut k0 = 0;
+            while k0 < inp {
+                let k1 = (k0 + KC).min(inp);
+                let first = if k0 == 0 { bias } else { None };
+                // SAFETY: `applies_packed` selected this instruction set, so the machine
+                // has it; `buf` holds `rows` rows of `cols` floats. The first chunk
+                // writes every element before later chunks read them.
+                unsafe {
+                    let chunk = (k0, k1, inp);
+                    match isa {
+                        Isa::Avx512 => {
+                            avx512::gemm(xs, ldx, rows, chunk, panels, cols, yp, cols, first, k0 > 0)
+                        }
+                        // `tile_rows` admits only these two.
+                        _ => avx2::gemm(xs, ldx, rows, chunk, panels, cols, yp, cols, first, k0 > 0),
+                    }
+                };
+                k0 = k1;
+            }
+        })
     });
     for (p0, cols, buf) in &parts {
         for (r, src) in buf.chunks_exact(*cols).enumerate() {
@@ -494,6 +534,28 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// Rows a multiple of 4 KiB apart are handed over as a copy with a longer stride
+    /// and the same values; other strides, and a single row, as they are.
+    #[test]
+    fn x_rows_at_4_kib_strides_are_restrided() {
+        for (n, inp, copied) in [
+            (3, 1024, true),
+            (14, 2048, true),
+            (1, 1024, false),
+            (3, 1000, false),
+            (3, 1536, false),
+        ] {
+            let xs: Vec<f32> = (0..n * inp).map(|i| i as f32).collect();
+            with_x_rows(&xs, n, inp, |got, ld| {
+                assert_eq!(ld != inp, copied, "{n} rows of {inp}");
+                assert_eq!(ld.is_multiple_of(1024), !copied && inp.is_multiple_of(1024));
+                for r in 0..n {
+                    assert_eq!(&got[r * ld..r * ld + inp], &xs[r * inp..(r + 1) * inp]);
+                }
+            });
+        }
     }
 
     #[test]
