@@ -48,12 +48,21 @@ fn a_32_mib_output_matches_candle_matmul() -> Result<()> {
 
 /// f16/bf16 weights (as loaded from a half-precision checkpoint) with f16, bf16 or f32
 /// inputs: the product is the f32 product of the converted values (the CPU kernel
-/// converts the weight while packing it), on shapes with full 16×16 weight blocks, a
-/// partial last panel and a contraction tail.
+/// converts the weight while packing it, or widens it in registers for a few rows), on
+/// shapes with full 16×16 weight blocks, a partial last panel and a contraction tail.
 #[test]
 fn half_precision_weights_match_their_f32_product() -> Result<()> {
     let dev = Device::Cpu;
-    for (rows, inp, out) in [(37, 100, 50), (300, 96, 129), (64, 768, 768)] {
+    // Then a few rows (decode steps): the weight read in place on the first call, with
+    // one 32-element bf16 group and a 16-element tail (96), and whole groups (2048).
+    for (rows, inp, out) in [
+        (37, 100, 50),
+        (300, 96, 129),
+        (64, 768, 768),
+        (1, 96, 40),
+        (5, 96, 129),
+        (13, 2048, 33),
+    ] {
         for wdt in [DType::BF16, DType::F16] {
             let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / (inp as f64).sqrt())?.to_dtype(wdt)?;
             let b = Tensor::randn(0f32, 1.0, out, &dev)?.to_dtype(wdt)?;

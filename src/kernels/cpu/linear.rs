@@ -7,7 +7,7 @@
 //! weight streams through the cache once per row block. The bias is the accumulators'
 //! starting value.
 
-use super::pack::{pack_k, AVec, Data, View, NR};
+use super::pack::{pack_k, AVec, Data, View, MR, NR};
 use super::par;
 use super::{avx2, avx512, Isa};
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
@@ -42,6 +42,94 @@ pub(crate) fn applies_rows(x: &Tensor, w: &Tensor) -> bool {
 /// read the weight twice.
 pub(crate) fn applies_packed(x: &Tensor, w: &Tensor) -> bool {
     x.rank() == 2 && takes(x, w).is_some_and(|(rows, _)| rows >= 1)
+}
+
+/// Whether [`linear_in_place`] takes `x (rows, in)` against `w`: what
+/// [`applies_packed`] takes, with fewer rows than a register tile, and contraction
+/// lengths the dot-product kernels read (AVX-512: any for f32 weights, multiples of 16
+/// for f16/bf16; AVX2: multiples of 8).
+pub(crate) fn applies_in_place(x: &Tensor, w: &Tensor) -> bool {
+    let Some((rows, tile)) = takes(x, w).filter(|_| x.rank() == 2) else {
+        return false;
+    };
+    let inp = w.dims2().map_or(0, |d| d.1);
+    let e_ok = match Isa::selected() {
+        Isa::Avx512 => w.dtype() == DType::F32 || inp.is_multiple_of(16),
+        _ => inp.is_multiple_of(8),
+    };
+    (1..tile).contains(&rows) && e_ok
+}
+
+/// Outputs per call of the dot-product kernel in [`linear_in_place`]: their weight rows
+/// (16 KiB each at 4096 f32 inputs) stay in L2 while every strip of x rows reads them.
+const IN_PLACE_OUTPUTS: usize = 16;
+
+/// `x · Wᵀ (+ b)` for a few rows of `x` (fewer than a register tile, as in a decode
+/// step), reading `W (out, in)` in place, f16/bf16 widened in registers: each output is
+/// a dot product of an x row with a W row, on the decode kernels' dot products
+/// (`qk_dot`). The threads split the outputs. No pack is made, so a weight that the
+/// pack cache has no room for still streams once per call, in its own dtype. Callers
+/// check [`applies_in_place`] first; shapes are validated again here.
+pub(crate) fn linear_in_place(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let (out, inp) = w.dims2()?;
+    let isa = Isa::selected();
+    let wc = w.contiguous()?;
+    let (wg, wl) = wc.storage_and_layout();
+    let wd = weight_data(&wg, wl, w)?;
+    new_output(x, out, |dst| {
+        with_operands(x, (out, inp), w, b, dst, |rows, xv, bv, dst| {
+            // The kernels take whole strips of `MR` rows; padding rows are not computed.
+            let padded = rows.div_ceil(MR) * MR;
+            let mut q = vec![0f32; padded * inp];
+            q[..rows * inp].copy_from_slice(xv);
+            if isa == Isa::Avx512 && matches!(wd, Data::BF16(_)) {
+                q.chunks_exact_mut(inp).for_each(avx512::split_pairs);
+            }
+            let nt = par::threads();
+            let per = out.div_ceil(nt).div_ceil(IN_PLACE_OUTPUTS).max(1) * IN_PLACE_OUTPUTS;
+            let mut parts: Vec<(usize, usize, Vec<f32>)> = (0..out)
+                .step_by(per)
+                .map(|o0| (o0, per.min(out - o0), vec![0f32; padded * per.min(out - o0)]))
+                .collect();
+            par::vec_for_each(parts.iter_mut().collect(), |(o0, n, s)| {
+                let (o0, n) = (*o0, *n);
+                let mut j = 0;
+                while j < n {
+                    let nk = IN_PLACE_OUTPUTS.min(n - j);
+                    let k = slice_rows(wd, (o0 + j) * inp, (o0 + j + nk) * inp);
+                    let sj = &mut s[j..];
+                    // SAFETY: `applies_in_place` selected this instruction set, so the
+                    // machine has it, and checked the contraction length it needs; the
+                    // kernels assert the slice bounds.
+                    unsafe {
+                        match isa {
+                            Isa::Avx512 => avx512::qk_dot_raw(&q, padded, rows, inp, k, inp, nk, sj, n),
+                            // `tile_rows` admits only these two.
+                            _ => avx2::qk_dot(&q, padded, rows, inp, k, inp, nk, sj, n),
+                        }
+                    }
+                    j += nk;
+                }
+            });
+            for (o0, n, s) in &parts {
+                for r in 0..rows {
+                    let row = &mut dst[r * out + o0..r * out + o0 + n];
+                    for (c, (d, &v)) in row.iter_mut().zip(&s[r * n..(r + 1) * n]).enumerate() {
+                        d.write(v + bv.map_or(0.0, |b| b[o0 + c]));
+                    }
+                }
+            }
+        })
+    })
+}
+
+/// Elements `a..b` of `d`.
+fn slice_rows(d: Data<'_>, a: usize, b: usize) -> Data<'_> {
+    match d {
+        Data::F32(v) => Data::F32(&v[a..b]),
+        Data::BF16(v) => Data::BF16(&v[a..b]),
+        Data::F16(v) => Data::F16(&v[a..b]),
+    }
 }
 
 /// `(rows, register tile rows)` when the product takes `x (…, in)` and `w` but for the
@@ -533,6 +621,56 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// A few rows against the weight read in place, in f32, bf16 and f16, equal an f64
+    /// product of the same values: every row count below a register tile, one output
+    /// block and several (with a partial last one), contraction lengths with a bf16
+    /// tail of 16 and whole 32-element groups (and, for f32 on AVX-512, any length).
+    #[test]
+    fn products_read_in_place_match_f64() -> Result<()> {
+        let Some(tile) = tile_rows(Isa::selected()) else {
+            eprintln!("no x86-64 product on this machine: nothing to check");
+            return Ok(());
+        };
+        let dev = candle::Device::Cpu;
+        let mut checked = 0;
+        for (inp, out) in [(96, 45), (2048, 37), (100, 64), (1000, 130)] {
+            for wdt in [DType::F32, DType::BF16, DType::F16] {
+                let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?.to_dtype(wdt)?;
+                let wv = w.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+                let b = Tensor::randn(0f32, 1.0, out, &dev)?;
+                let bv = b.to_vec1::<f32>()?;
+                for rows in 1..tile {
+                    let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
+                    if !applies_in_place(&x, &w) {
+                        continue;
+                    }
+                    let xv = x.to_vec2::<f32>()?;
+                    for bias in [None, Some(&b)] {
+                        let got = linear_in_place(&x, &w, bias)?.to_vec2::<f32>()?;
+                        for r in 0..rows {
+                            for o in 0..out {
+                                let want: f64 =
+                                    (0..inp).map(|k| xv[r][k] as f64 * wv[o][k] as f64).sum::<f64>()
+                                        + bias.map_or(0.0, |_| bv[o] as f64);
+                                let tol = 1e-5 * (1.0 + (inp as f64).sqrt());
+                                let g = got[r][o] as f64;
+                                assert!(
+                                    (g - want).abs() < tol,
+                                    "{wdt:?} in {inp} out {out} rows {rows} ({r}, {o}): {g} vs {want}"
+                                );
+                            }
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        // At least 8 (shape, dtype) pairs: on AVX-512 f32 at every length and half
+        // precision at the two multiples of 16; on AVX2 every dtype at three lengths.
+        assert!(checked >= 2 * 8 * (tile - 1), "only {checked} products checked");
         Ok(())
     }
 
