@@ -111,14 +111,7 @@ pub(crate) fn linear_in_place(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Res
                     j += nk;
                 }
             });
-            for (o0, n, s) in &parts {
-                for r in 0..rows {
-                    let row = &mut dst[r * out + o0..r * out + o0 + n];
-                    for (c, (d, &v)) in row.iter_mut().zip(&s[r * n..(r + 1) * n]).enumerate() {
-                        d.write(v + bv.map_or(0.0, |b| b[o0 + c]));
-                    }
-                }
-            }
+            write_parts(&parts, rows, out, dst, bv);
         })
     })
 }
@@ -463,26 +456,42 @@ fn product(
         let n = ys.len() / out;
         let yp = ys.as_mut_ptr() as *mut f32;
         with_x_rows(&xv[r0 * inp..(r0 + n) * inp], n, inp, |xs, ldx| {
-            // Contraction chunks of `KC` (see there).
-            let mut k0 = 0;
-            while k0 < inp {
-                let k1 = (k0 + KC).min(inp);
-                let bias = if k0 == 0 { bv } else { None };
-                // SAFETY: `applies` selected this instruction set, so the machine has
-                // it; rows `0..n` of this block are inside `ys`. The first chunk writes
-                // every element before later chunks read them.
-                unsafe {
-                    let chunk = (k0, k1, inp);
-                    match isa {
-                        Isa::Avx512 => avx512::gemm(xs, ldx, n, chunk, wp, out, yp, out, bias, k0 > 0),
-                        // `tile_rows` above admits only these two.
-                        _ => avx2::gemm(xs, ldx, n, chunk, wp, out, yp, out, bias, k0 > 0),
-                    }
-                };
-                k0 = k1;
-            }
+            // SAFETY: `applies` selected this instruction set, so the machine has it;
+            // rows `0..n` of this block are inside `ys`.
+            unsafe { gemm_chunks(isa, (xs, ldx, n, inp), (wp, out), (yp, out), bv) }
         })
     });
+}
+
+/// `y = x · Wᵀ (+ b)` for `rows` rows of `x` (row stride `ldx`, `inp` long) against the
+/// panels `wp` of `out` outputs, into `y` (row stride `ldy`), in contraction chunks of
+/// [`KC`]: the first chunk writes every element (with the bias), later ones add to it.
+///
+/// # Safety
+/// `isa` has a product ([`tile_rows`]) and the machine has it; `y` holds `rows` rows of
+/// stride `ldy`.
+unsafe fn gemm_chunks(
+    isa: Isa,
+    (xs, ldx, rows, inp): (&[f32], usize, usize, usize),
+    (wp, out): (&[f32], usize),
+    (y, ldy): (*mut f32, usize),
+    bv: Option<&[f32]>,
+) {
+    let mut k0 = 0;
+    while k0 < inp {
+        let k1 = (k0 + KC).min(inp);
+        let bias = if k0 == 0 { bv } else { None };
+        let chunk = (k0, k1, inp);
+        // SAFETY: the caller's guarantees; the products assert the slice bounds.
+        unsafe {
+            match isa {
+                Isa::Avx512 => avx512::gemm(xs, ldx, rows, chunk, wp, out, y, ldy, bias, k0 > 0),
+                // `tile_rows` admits only these two.
+                _ => avx2::gemm(xs, ldx, rows, chunk, wp, out, y, ldy, bias, k0 > 0),
+            }
+        }
+        k0 = k1;
+    }
 }
 
 /// [`product`] for fewer register tiles of rows than threads (a decode step): the
@@ -515,33 +524,41 @@ fn product_by_columns(
             let (p0, cols) = (*p0, *cols);
             let panels = &wp[p0 * inp * NR..(p0 + cols.div_ceil(NR)) * inp * NR];
             let bias = bv.map(|b| &b[p0 * NR..]);
-            let yp = buf.as_mut_ptr();
-            let mut k0 = 0;
-            while k0 < inp {
-                let k1 = (k0 + KC).min(inp);
-                let first = if k0 == 0 { bias } else { None };
-                // SAFETY: `applies_packed` selected this instruction set, so the machine
-                // has it; `buf` holds `rows` rows of `cols` floats. The first chunk
-                // writes every element before later chunks read them.
-                unsafe {
-                    let chunk = (k0, k1, inp);
-                    match isa {
-                        Isa::Avx512 => {
-                            avx512::gemm(xs, ldx, rows, chunk, panels, cols, yp, cols, first, k0 > 0)
-                        }
-                        // `tile_rows` admits only these two.
-                        _ => avx2::gemm(xs, ldx, rows, chunk, panels, cols, yp, cols, first, k0 > 0),
-                    }
-                };
-                k0 = k1;
+            // SAFETY: `applies_packed` selected this instruction set, so the machine has
+            // it; `buf` holds `rows` rows of `cols` floats.
+            unsafe {
+                gemm_chunks(
+                    isa,
+                    (xs, ldx, rows, inp),
+                    (panels, cols),
+                    (buf.as_mut_ptr(), cols),
+                    bias,
+                )
             }
         })
     });
-    for (p0, cols, buf) in &parts {
-        for (r, src) in buf.chunks_exact(*cols).enumerate() {
-            let dst = &mut y[r * out + p0 * NR..r * out + p0 * NR + cols];
-            for (d, &v) in dst.iter_mut().zip(src) {
-                d.write(v);
+    let parts: Vec<_> = parts
+        .into_iter()
+        .map(|(p0, cols, buf)| (p0 * NR, cols, buf))
+        .collect();
+    write_parts(&parts, rows, out, y, None);
+}
+
+/// Writes the parts `(first output o0, outputs n, rows × n results)` of a product into
+/// `y` (`rows × out`, row-major), adding `b[o0..o0 + n]` where given.
+fn write_parts(
+    parts: &[(usize, usize, Vec<f32>)],
+    rows: usize,
+    out: usize,
+    y: &mut [MaybeUninit<f32>],
+    b: Option<&[f32]>,
+) {
+    for (o0, n, part) in parts {
+        let (o0, n) = (*o0, *n);
+        for r in 0..rows {
+            let dst = &mut y[r * out + o0..r * out + o0 + n];
+            for (c, (d, &v)) in dst.iter_mut().zip(&part[r * n..(r + 1) * n]).enumerate() {
+                d.write(v + b.map_or(0.0, |b| b[o0 + c]));
             }
         }
     }
