@@ -367,9 +367,12 @@ fn with_x_rows<R>(xs: &[f32], n: usize, inp: usize, f: impl FnOnce(&[f32], usize
         return f(xs, inp);
     }
     let ld = inp + 16;
+    // Only the first `inp` elements of each row are written (and read by the products);
+    // the buffer is zeroed only where it grows, not on every call.
     let fill = |buf: &mut Vec<f32>| {
-        buf.clear();
-        buf.resize(n * ld, 0.0);
+        if buf.len() < n * ld {
+            buf.resize(n * ld, 0.0);
+        }
         for (dst, src) in buf.chunks_exact_mut(ld).zip(xs.chunks_exact(inp)) {
             dst[..inp].copy_from_slice(src);
         }
@@ -377,12 +380,12 @@ fn with_x_rows<R>(xs: &[f32], n: usize, inp: usize, f: impl FnOnce(&[f32], usize
     X_ROWS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut buf) => {
             fill(&mut buf);
-            f(&buf, ld)
+            f(&buf[..n * ld], ld)
         }
         Err(_) => {
             let mut buf = Vec::new();
             fill(&mut buf);
-            f(&buf, ld)
+            f(&buf[..n * ld], ld)
         }
     })
 }
