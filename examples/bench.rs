@@ -220,13 +220,13 @@ fn candle_layer(
 /// the same layer written with candle-nn as candle-transformers' Mistral writes it
 /// (`Linear`, `rotary_emb::rope`, `kv_cache::RotatingKvCache`, `repeat_kv`, matmul →
 /// softmax → matmul; no mask for one token; [`candle_layer`]). Both caches start from
-/// the same K/V (ours holds them in f32, the accumulation dtype, candle's in `dt`).
+/// the same K/V, in `dt`.
 /// Before timing, our first step is checked against candle's layer run in f32 on the
 /// same values (1e-4 of the largest output in f32, 2e-2 in bf16); candle's own bf16
 /// step is only reported, since it rounds its products and softmax to bf16. Every timed
 /// call is one more step, at the next position. Returns `(flops, bytes)` per call: the
 /// projections plus the window's attention, and the weights plus the K/V read, counted
-/// in `dt` (our f32 cache of a bf16 layer reads twice the K/V bytes counted).
+/// in `dt`.
 fn decode_layer(
     c: &Case,
     dt: DType,
@@ -276,11 +276,9 @@ fn decode_layer(
     // The window's keys and values (rotated keys, as a cache holds them).
     let k0 = rnd(&[c.b, hkv, w, d])?;
     let v0 = rnd(&[c.b, hkv, w, d])?;
-    // Each cache holds the dtype its layer stores: ours keeps K/V in the accumulation
-    // dtype (f32 for bf16 weights), candle's in the weights' dtype.
+    // Both caches hold K/V in the layer's dtype.
     let mut ours_cache = layer.new_cache()?;
-    let acc = |t: &Tensor| t.to_dtype(DType::F32);
-    ours_cache.append(&acc(&k0)?, &acc(&v0)?)?;
+    ours_cache.append(&k0, &v0)?;
     let mut theirs_cache = candle_nn::kv_cache::RotatingKvCache::new(2, w);
     theirs_cache.append(&k0.contiguous()?, &v0.contiguous()?)?;
     let x = (rnd(&[c.b, 1, e])? * 0.5)?;

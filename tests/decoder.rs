@@ -46,6 +46,14 @@ fn llama_like(window: Option<usize>) -> DecoderAttentionConfig {
 }
 
 fn weights(cfg: &DecoderAttentionConfig) -> Result<VarBuilder<'static>> {
+    Ok(VarBuilder::from_tensors(
+        weight_map(cfg)?,
+        DType::F32,
+        &Device::Cpu,
+    ))
+}
+
+fn weight_map(cfg: &DecoderAttentionConfig) -> Result<HashMap<String, Tensor>> {
     let (e, qd, kvd) = (
         cfg.hidden_size,
         cfg.num_heads * cfg.head_dim,
@@ -64,7 +72,7 @@ fn weights(cfg: &DecoderAttentionConfig) -> Result<VarBuilder<'static>> {
     m.insert("q_norm.weight".into(), ((randn(&[cfg.head_dim])? * 0.1)? + 1.0)?);
     m.insert("k_norm.weight".into(), ((randn(&[cfg.head_dim])? * 0.1)? + 1.0)?);
     m.insert("sinks".into(), randn(&[cfg.num_heads])?);
-    Ok(VarBuilder::from_tensors(m, DType::F32, &Device::Cpu))
+    Ok(m)
 }
 
 fn positions(b: usize, from: usize, l: usize) -> Result<Tensor> {
@@ -101,6 +109,43 @@ fn prefill_plus_cached_steps_equals_one_full_forward() -> Result<()> {
         let inc = prefill_then_decode(&layer, &mut cache, &x, 4)?;
         assert!(max_diff(&full, &inc)? < 1e-5);
         assert_eq!((cache.len(), cache.seen()), (11, 11));
+    }
+    Ok(())
+}
+
+/// A bf16/f16 layer rounds q, k and v to its dtype as PyTorch's `nn.Linear` does, so its
+/// cache holds K/V in that dtype (half the bytes of f32), on the fused path (no softcap,
+/// no sinks) and the reference path alike, and decoding still equals one full forward.
+#[test]
+fn half_precision_layers_cache_keys_and_values_in_their_dtype() -> Result<()> {
+    for dt in [DType::BF16, DType::F16] {
+        for fused in [true, false] {
+            let mut cfg = llama_like(Some(5));
+            if fused {
+                (cfg.softcap, cfg.sinks) = (None, false);
+            }
+            let mut m = weight_map(&cfg)?;
+            for t in m.values_mut() {
+                *t = t.to_dtype(dt)?;
+            }
+            let layer = DecoderAttention::new(&cfg, VarBuilder::from_tensors(m.clone(), dt, &Device::Cpu))?;
+            let layer32 = DecoderAttention::new(&cfg, VarBuilder::from_tensors(m, DType::F32, &Device::Cpu))?;
+            let x = randn(&[2, 9, 24])?.to_dtype(dt)?;
+            let full = layer.forward(&x)?;
+            assert_eq!(full.dtype(), dt);
+            let mut cache = layer.new_cache()?;
+            let inc = prefill_then_decode(&layer, &mut cache, &x, 4)?;
+            let view = cache.current()?.expect("9 tokens are cached");
+            assert_eq!((view.k.dtype(), view.v.dtype()), (dt, dt), "{dt:?} fused {fused}");
+            let tol = if dt == DType::BF16 { 2e-2 } else { 5e-3 };
+            // The f32 layer on weights and inputs rounded to `dt` is the accuracy bar.
+            let want = layer32.forward(&x.to_dtype(DType::F32)?)?;
+            let size = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
+            for got in [&full, &inc] {
+                let d = max_diff(got, &want)?;
+                assert!(d < tol * size, "{dt:?} fused {fused}: {d} against {size}");
+            }
+        }
     }
     Ok(())
 }

@@ -21,6 +21,7 @@ use candle_nn::VarBuilder;
 
 use crate::alibi::{alibi_bias, alibi_slopes};
 use crate::cache::KvCache;
+use crate::empty;
 use crate::mask::{AttnMask, CausalAlign};
 use crate::proj::Proj;
 use crate::rope::RotaryEmbedding;
@@ -295,6 +296,9 @@ impl DecoderAttention {
     ///   with the causal rule aligned bottom-right (query `i` is token `cache.seen() + i`).
     ///   A [bidirectional](DecoderAttentionConfig::bidirectional) layer refuses a cache: each
     ///   token attends to the tokens before and after it within the call.
+    /// - Queries, keys and values are rounded to `x`'s dtype after their projection (and
+    ///   RoPE), as PyTorch's bf16/f16 layers round them, so the cache holds K/V in that
+    ///   dtype; scores, softmax and sums still accumulate in f32.
     pub fn forward_cached(
         &self,
         x: &Tensor,
@@ -323,6 +327,11 @@ impl DecoderAttention {
             q = rope.apply(&q.contiguous()?, &cos, &sin)?;
             k = rope.apply(&k.contiguous()?, &cos, &sin)?;
         }
+        let (q, k, v) = (
+            in_model_dtype(&q, x)?,
+            in_model_dtype(&k, x)?,
+            in_model_dtype(&v, x)?,
+        );
         let (past, k, v, positions) = match cache {
             Some(c) => {
                 let past = c.seen();
@@ -373,7 +382,7 @@ impl DecoderAttention {
             mask = mask.and(&AttnMask::additive(&alibi_bias(
                 slopes,
                 &positions,
-                q.dtype(),
+                compute_dtype(q.dtype()),
                 q.device(),
             )?)?);
         }
@@ -423,6 +432,7 @@ impl DecoderAttention {
             None => None,
         };
         let (q, _) = self.project(x, None)?;
+        let q = in_model_dtype(&q, x)?;
         let (k, v) = match cached {
             Some(view) => (view.k, view.v),
             None => {
@@ -440,6 +450,7 @@ impl DecoderAttention {
                     )
                 }
                 let (k, v) = self.cross_kv(enc)?;
+                let (k, v) = (in_model_dtype(&k, x)?, in_model_dtype(&v, x)?);
                 match cache {
                     Some(c) => {
                         let view = c.append(&k, &v)?;
@@ -488,6 +499,14 @@ impl DecoderAttention {
             .reshape((b, l, self.cfg.num_heads * self.cfg.head_dim))?;
         self.o.forward(&o)?.to_dtype(x.dtype())
     }
+}
+
+/// `t` (a projection's output, in the accumulation dtype) rounded to the dtype of the
+/// layer's input `x`, as PyTorch's `nn.Linear` returns it: queries, keys and values
+/// enter attention, and keys and values the cache, in the model's dtype (bf16 K/V take
+/// half the memory and half the bytes per decode step of f32 ones).
+fn in_model_dtype(t: &Tensor, x: &Tensor) -> Result<Tensor> {
+    empty::to_dtype(t, x.dtype())
 }
 
 /// RMSNorm over the last dim in the accumulation dtype: `x / rms(x) · w`, where `w` is the
