@@ -32,8 +32,8 @@ pub enum Backend {
     /// available on every device.
     Reference,
     /// The fused CPU kernel ([`crate::kernels::cpu`]); an error if the call is
-    /// not one it supports (attention weights, softcap, sinks, or a dtype or device
-    /// without a kernel) or records gradients.
+    /// not one it supports (attention weights, softcap, or a dtype or device without a
+    /// kernel) or records gradients.
     Fused,
 }
 
@@ -56,7 +56,9 @@ pub struct SdpaOptions {
     /// Logit soft-capping (Gemma 2): `scores = cap · tanh(scores / cap)`, before the mask.
     pub softcap: Option<f64>,
     /// Learned attention sinks (gpt-oss), one logit per query head `(Hq)`: an extra key
-    /// with that logit and a zero value joins every softmax row.
+    /// with that logit and a zero value joins every softmax row. The fused CPU kernel
+    /// adds it to each row's softmax sum after the last key block (and after the merge
+    /// of a split key range).
     pub sinks: Option<Tensor>,
 }
 
@@ -317,9 +319,17 @@ pub(crate) fn attention(
             let full = add_masks(explicit, causal)?;
             reference(q, k, v, full.as_ref(), &dims, scale, opts)
         }
-        Path::Fused => {
-            crate::kernels::dispatch_fused(q, k, v, explicit.as_ref(), &mask, &dims, scale, heads_inner)
-        }
+        Path::Fused => crate::kernels::dispatch_fused(
+            q,
+            k,
+            v,
+            explicit.as_ref(),
+            &mask,
+            &dims,
+            scale,
+            heads_inner,
+            opts.sinks.as_ref(),
+        ),
     }
 }
 
@@ -346,7 +356,6 @@ fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions, tracked: bool) ->
             if !opts.need_weights
                 && !tracked
                 && opts.softcap.is_none()
-                && opts.sinks.is_none()
                 && crate::kernels::fused_supports(q.device(), q.dtype(), dims)
             {
                 Path::Fused
@@ -360,14 +369,9 @@ fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions, tracked: bool) ->
                     "sdpa: the fused backend does not return attention weights; use Backend::Reference"
                 )
             }
-            if opts.softcap.is_some() || opts.sinks.is_some() {
-                let what = match (opts.softcap.is_some(), opts.sinks.is_some()) {
-                    (true, true) => "softcap and sinks",
-                    (true, false) => "softcap",
-                    _ => "sinks",
-                };
+            if opts.softcap.is_some() {
                 candle::bail!(
-                    "sdpa: the fused backend does not support {what}; use Backend::Auto or Backend::Reference"
+                    "sdpa: the fused backend does not support softcap; use Backend::Auto or Backend::Reference"
                 )
             }
             if tracked {

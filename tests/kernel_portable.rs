@@ -9,5 +9,7 @@ fn portable_kernel_matches_reference_on_randomised_shapes() -> candle_core::Resu
     assert_eq!(candle_attention::cpu_kernel_isa(), "portable");
     let n = kernel_cases::fused_matches_reference(2)?;
     assert!(n > 1000, "only {n} comparisons");
+    let n = kernel_cases::sinks_split_k_matches_reference(2)?;
+    assert_eq!(n, 18);
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! Backend-specific fused kernels behind the SDPA dispatcher.
 //!
-//! Only the CPU has one so far ([`cpu`]). Every other device, f64, attention weights,
-//! softcap and sinks go through the reference path in candle ops.
+//! Only the CPU has one so far ([`cpu`]). Every other device, f64, attention weights and
+//! softcap go through the reference path in candle ops.
 use candle::{DType, Device, Result, Tensor};
 
 use crate::mask::AttnMask;
@@ -17,7 +17,8 @@ pub(crate) fn fused_supports(device: &Device, dtype: DType, _dims: &Dims) -> boo
 /// Runs the fused CPU kernel on `(…, Hq, L, E)` inputs; `explicit` is the explicit part of
 /// the mask as an additive f32 tensor aligned to the score rank, `mask` supplies the causal
 /// rule, applied by loop bounds. With `heads_inner` and rank-4 inputs, the output is a view
-/// of `(N, L, Hq, Ev)` memory (see `cpu::sdpa_heads_inner`).
+/// of `(N, L, Hq, Ev)` memory (see [`cpu::sdpa_with_sinks`]). `sinks`: one logit per
+/// query head `(Hq)`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dispatch_fused(
     q: &Tensor,
@@ -28,6 +29,7 @@ pub(crate) fn dispatch_fused(
     dims: &Dims,
     scale: f64,
     heads_inner: bool,
+    sinks: Option<&Tensor>,
 ) -> Result<SdpaOutput> {
     let (n, hq, hkv, l, s, e, ev) = (dims.n, dims.hq, dims.hkv, dims.l, dims.s, dims.e, dims.ev);
     // Views with the batch dims collapsed; the kernel reads any strides.
@@ -42,12 +44,27 @@ pub(crate) fn dispatch_fused(
         offset: r.offset,
         window: r.window,
     });
+    let sinks = match sinks {
+        Some(t) => Some(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+        None => None,
+    };
     let shape = dims.out_shape(ev);
-    let output = if heads_inner && shape == [n, hq, l, ev] {
-        // Already the output shape: a `reshape` would copy the view.
-        cpu::sdpa_heads_inner(&q4, &k4, &v4, m4.as_ref(), causal, scale as f32)?
+    // Already the output shape: a `reshape` would copy the `heads_inner` view.
+    let heads_inner = heads_inner && shape == [n, hq, l, ev];
+    let output = cpu::sdpa_with_sinks(
+        &q4,
+        &k4,
+        &v4,
+        m4.as_ref(),
+        causal,
+        scale as f32,
+        sinks.as_deref(),
+        heads_inner,
+    )?;
+    let output = if heads_inner {
+        output
     } else {
-        cpu::sdpa(&q4, &k4, &v4, m4.as_ref(), causal, scale as f32)?.reshape(shape)?
+        output.reshape(shape)?
     };
     Ok(SdpaOutput {
         output,

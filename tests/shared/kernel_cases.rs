@@ -41,6 +41,12 @@ impl Lcg {
         Tensor::from_vec(v, shape, &Device::Cpu)
     }
 
+    /// Attention-sink logits for `hq` query heads, large enough to weigh against every
+    /// key of a row.
+    pub fn sinks(&mut self, hq: usize) -> Result<Tensor> {
+        (self.normal(&[hq])? * 3.0)? + 2.0
+    }
+
     /// A bool keep mask whose rows (over the last dim) each keep one run of keys, as
     /// right or left padding gives: all keys, none, a prefix, a suffix or a middle run.
     pub fn runs(&mut self, shape: &[usize]) -> Result<Tensor> {
@@ -339,6 +345,36 @@ pub fn masks(r: &mut Lcg, sh: &Shape) -> Result<Vec<(String, SdpaOptions)>> {
             .with_mask(AttnMask::additive(&add)?)
             .with_causal(true),
     ));
+    // Attention sinks (one logit per query head, large enough to weigh against every key):
+    // alone, under a window, with fully masked rows, and with padding run as loop bounds.
+    out.push((
+        "sinks".to_string(),
+        SdpaOptions::new().with_sinks(r.sinks(sh.hq)?),
+    ));
+    out.push((
+        "sinks+window".to_string(),
+        SdpaOptions::new()
+            .with_mask(AttnMask::sliding_window(
+                1 + r.below(9),
+                CausalAlign::BottomRight,
+            )?)
+            .with_sinks(r.sinks(sh.hq)?),
+    ));
+    let m = r.keep(&[sh.b, sh.hq, sh.l, sh.s], 0.3)?;
+    out.push((
+        "sinks+keep".to_string(),
+        SdpaOptions::new()
+            .with_mask(AttnMask::keep(&m)?)
+            .with_sinks(r.sinks(sh.hq)?),
+    ));
+    let m = r.runs(&[sh.b, 1, 1, sh.s])?;
+    out.push((
+        "sinks+pad+causal".to_string(),
+        SdpaOptions::new()
+            .with_mask(AttnMask::keep(&m)?)
+            .with_causal(true)
+            .with_sinks(r.sinks(sh.hq)?),
+    ));
     Ok(out)
 }
 
@@ -374,6 +410,37 @@ pub fn fused_matches_reference(seed: u64) -> Result<usize> {
                     );
                     checked += 1;
                 }
+            }
+        }
+    }
+    Ok(checked)
+}
+
+/// Attention sinks where few (batch, kv head) groups meet a long key range, so the
+/// kernel splits the keys across threads and merges the parts by log-sum-exp: the sink
+/// must enter each row once, after the merge. Returns the number of comparisons.
+pub fn sinks_split_k_matches_reference(seed: u64) -> Result<usize> {
+    let mut r = Lcg::new(seed);
+    let mut checked = 0;
+    for (hq, hkv, l) in [(1, 1, 1), (4, 1, 1), (8, 2, 3)] {
+        let s = 2100;
+        let q = r.normal(&[1, hq, l, 64])?;
+        let k = r.normal(&[1, hkv, s, 64])?;
+        let v = r.normal(&[1, hkv, s, 64])?;
+        let window = AttnMask::sliding_window(900, CausalAlign::BottomRight)?;
+        let keep = AttnMask::keep(&r.keep(&[1, hq, l, s], 0.5)?)?;
+        for mask in [None, Some(window), Some(keep)] {
+            let mut opts = SdpaOptions::new().with_gqa(hq != hkv).with_sinks(r.sinks(hq)?);
+            if let Some(m) = mask {
+                opts = opts.with_mask(m);
+            }
+            for dt in [DType::F32, DType::BF16] {
+                let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+                let want = sdpa(&q, &k, &v, &opts.clone().with_backend(Backend::Reference))?;
+                let got = sdpa(&q, &k, &v, &opts.clone().with_backend(Backend::Fused))?;
+                let err = rel_err(&got, &want)?;
+                assert!(err <= tol(dt), "hq {hq} hkv {hkv} l {l} {dt:?}: error {err:e}");
+                checked += 1;
             }
         }
     }

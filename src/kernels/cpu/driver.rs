@@ -49,6 +49,9 @@ pub(crate) struct Problem<'a> {
     pub pack_budget: usize,
     /// Write the output as `(B, L, Hq, Ev)` row-major instead of `(B, Hq, L, Ev)`.
     pub heads_inner: bool,
+    /// Attention-sink logits, one per query head, in the log2 domain of the scores
+    /// (`sink · log2 e`): each adds `2^(sink − m)` to its rows' softmax sums.
+    pub sinks: Option<Vec<f32>>,
     /// Run the block products on AMX tiles with this component plan (bf16/f16 inputs on
     /// a machine with AMX); `None` runs them on `isa`.
     #[cfg(target_arch = "x86_64")]
@@ -58,6 +61,19 @@ pub(crate) struct Problem<'a> {
 impl Problem<'_> {
     fn group(&self) -> usize {
         self.hq / self.hkv
+    }
+
+    /// The sink's share `2^(sink − m)` of the softmax sum of row `r` of `blk`, whose
+    /// scores are relative to `m` (0 without sinks, and for a row with no visible key).
+    fn sink_term(&self, blk: &Block, r: usize, m: f32) -> f32 {
+        match &self.sinks {
+            Some(sk) if m > f32::NEG_INFINITY => {
+                // Rows are the group's (query head, position) pairs, head-major.
+                let h = (blk.g % self.hkv) * self.group() + (blk.r0 + r) / self.l;
+                exp2_scalar(sk[h] - m)
+            }
+            _ => 0.0,
+        }
     }
 
     /// Whether rows may see less than all keys by loop bounds (causal, window or
@@ -582,7 +598,7 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
                 let blk = blocks[it.blk];
                 run_block(p, &blk, it.ks0, it.ks1, src, sc);
                 if let Some(mut dst) = lock(&slots[it.blk]).take() {
-                    finish(p, blk.n, sc, &mut dst);
+                    finish(p, &blk, sc, &mut dst);
                 }
             });
         } else {
@@ -601,7 +617,7 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
             }
             par::for_each_index(blocks.len(), |i| {
                 if let Some(mut dst) = lock(&slots[i]).take() {
-                    merge::<T>(blocks[i].n, ev, &per_block[i], &mut dst);
+                    merge::<T>(p, &blocks[i], &per_block[i], &mut dst);
                 }
             });
         }
@@ -722,7 +738,7 @@ fn prefill<T: OutElem, E: Cached + Send + Sync, S>(
                 let grp = chunk.ready(gl);
                 run_block(p, &blk, 0, s, src(grp), sc);
                 if let Some(mut dst) = lock(&slots[it.blk]).take() {
-                    finish(p, blk.n, sc, &mut dst);
+                    finish(p, &blk, sc, &mut dst);
                 }
             }
         });
@@ -1116,9 +1132,10 @@ impl Partial {
 }
 
 /// Log-sum-exp merge of split-K partials into the output rows.
-fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut BlockOut<T>) {
+fn merge<T: OutElem>(p: &Problem, blk: &Block, parts: &[Partial], dst: &mut BlockOut<T>) {
+    let ev = p.ev;
     let mut row = vec![0f32; ev];
-    debug_assert_eq!(n, dst.at.3);
+    debug_assert_eq!(blk.n, dst.at.3);
     dst.for_rows(|r, out| {
         let mx = parts.iter().map(|pt| pt.m[r]).fold(f32::NEG_INFINITY, f32::max);
         row.fill(0.0);
@@ -1135,6 +1152,7 @@ fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut BlockOut<
                 }
             }
         }
+        lsum += p.sink_term(blk, r, mx);
         let inv = if lsum > 0.0 { 1.0 / lsum } else { 0.0 };
         for o in row.iter_mut() {
             *o *= inv;
@@ -1144,13 +1162,13 @@ fn merge<T: OutElem>(n: usize, ev: usize, parts: &[Partial], dst: &mut BlockOut<
 }
 
 /// Normalises the block accumulators in `sc` and stores them to `dst` (`n` rows of Ev).
-fn finish<T: OutElem>(p: &Problem, n: usize, sc: &mut Scratch, dst: &mut BlockOut<T>) {
+fn finish<T: OutElem>(p: &Problem, blk: &Block, sc: &mut Scratch, dst: &mut BlockOut<T>) {
     let ev = p.ev;
     let evp = ev.div_ceil(NR) * NR;
     let o = sc.o.as_slice();
-    debug_assert_eq!(n, dst.at.3);
+    debug_assert_eq!(blk.n, dst.at.3);
     dst.for_rows(|r, out| {
-        let l = sc.l[r];
+        let l = sc.l[r] + p.sink_term(blk, r, sc.m[r]);
         let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
         T::store_scaled(out, &o[r * evp..r * evp + ev], inv, &mut sc.row);
     });

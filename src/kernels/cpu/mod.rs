@@ -41,6 +41,9 @@
 //!   with lazy rescaling and lane-wise row sums (`avx512::softmax_row_bf16`).
 //! * bf16 without AMX, on a CPU with AVX512-BF16 (AMD Zen 4): the same path, operands
 //!   and packs, with the two block products on `VDPBF16PS` register tiles (`dpbf16`).
+//! * Attention sinks (one logit per query head, [`sdpa_with_sinks`]) enter each row's
+//!   softmax sum once, `2^(sink − m)` against the row's reference max `m`, when the row
+//!   is normalised (`driver::finish`) or after the split-K merge (`driver::merge`).
 //! * Nothing here has a backward pass: the dispatcher (`crate::sdpa`) and `crate::Proj`
 //!   send tensors that record gradients to candle's ops instead.
 //! * Decode on AVX-512 reads f16/bf16 K/V rows in place and widens them in registers,
@@ -291,35 +294,48 @@ pub fn sdpa(
     sdpa_with_isa(q, k, v, mask, causal, scale, Isa::selected())
 }
 
-/// [`sdpa`] returning `(B, Hq, L, Ev)` as a view of `(B, L, Hq, Ev)` row-major memory
-/// (the layout of PyTorch's CPU flash attention output), so that the usual
-/// `transpose(1, 2)` to `(B, L, Hq, Ev)` afterwards is contiguous and a following
-/// `reshape` to `(B, L, Hq · Ev)` copies nothing.
-pub(crate) fn sdpa_heads_inner(
+/// [`sdpa`] with attention sinks (gpt-oss): `sinks` holds one logit per query head
+/// (`Hq` values), an extra key of that score and a zero value in every row's softmax, so
+/// each row's weights sum to less than one. With `heads_inner`, the result `(B, Hq, L,
+/// Ev)` is a view of `(B, L, Hq, Ev)` row-major memory (the layout of PyTorch's CPU flash
+/// attention output), so that the usual `transpose(1, 2)` to `(B, L, Hq, Ev)` afterwards
+/// is contiguous and a following `reshape` to `(B, L, Hq · Ev)` copies nothing. Rows
+/// without a visible key are 0, as without sinks.
+#[allow(clippy::too_many_arguments)]
+pub fn sdpa_with_sinks(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
     causal: Option<Causal>,
     scale: f32,
+    sinks: Option<&[f32]>,
+    heads_inner: bool,
 ) -> Result<Tensor> {
-    sdpa_impl(q, k, v, mask, causal, scale, Isa::selected(), CallPlan::new(true))
+    let plan = CallPlan {
+        sinks,
+        ..CallPlan::new(heads_inner)
+    };
+    sdpa_impl(q, k, v, mask, causal, scale, Isa::selected(), plan)
 }
 
-/// The output layout and the K/V pack budget of one [`sdpa_impl`] call.
+/// The output layout, the K/V pack budget and the sinks of one [`sdpa_impl`] call.
 #[derive(Clone, Copy)]
-struct CallPlan {
+struct CallPlan<'a> {
     /// `(B, L, Hq, Ev)` memory behind the `(B, Hq, L, Ev)` result.
     heads_inner: bool,
     /// [`driver::PACK_BUDGET_BYTES`] outside tests.
     pack_budget: usize,
+    /// One attention-sink logit per query head (see [`sdpa_with_sinks`]).
+    sinks: Option<&'a [f32]>,
 }
 
-impl CallPlan {
+impl CallPlan<'_> {
     fn new(heads_inner: bool) -> Self {
         Self {
             heads_inner,
             pack_budget: driver::PACK_BUDGET_BYTES,
+            sinks: None,
         }
     }
 }
@@ -424,6 +440,15 @@ fn sdpa_impl(
             k.dims()
         );
     }
+    if let Some(sk) = layout.sinks {
+        if sk.len() != hq {
+            candle::bail!(
+                "sdpa: sinks must hold one logit per query head ({hq}), got {} for q {:?}",
+                sk.len(),
+                q.dims()
+            );
+        }
+    }
     if let Some(m) = mask {
         let md = dims4(m, "mask")?;
         if m.dtype() != DType::F32 {
@@ -484,6 +509,9 @@ fn sdpa_impl(
         ev,
         pack_budget: layout.pack_budget,
         heads_inner: layout.heads_inner,
+        sinks: layout
+            .sinks
+            .map(|sk| sk.iter().map(|&x| x * std::f32::consts::LOG2_E).collect()),
         #[cfg(target_arch = "x86_64")]
         amx: amx_plan(dtype, isa),
     };
@@ -570,6 +598,7 @@ mod tests {
         let budget = |pack_budget| CallPlan {
             heads_inner: false,
             pack_budget,
+            sinks: None,
         };
         for isa in [Isa::Portable, Isa::detect()] {
             let a = sdpa_impl(&q, &k, &v, None, c, 0.2, isa, budget(driver::PACK_BUDGET_BYTES))?;
@@ -603,6 +632,7 @@ mod tests {
                 let plan = CallPlan {
                     heads_inner: false,
                     pack_budget,
+                    sinks: None,
                 };
                 let run = |threads: usize| -> Result<Tensor> {
                     let pool = rayon::ThreadPoolBuilder::new()
