@@ -32,8 +32,8 @@ pub enum Backend {
     /// available on every device.
     Reference,
     /// The fused CPU kernel ([`crate::kernels::cpu`]); an error if the call is
-    /// not one it supports (attention weights, softcap, or a dtype or device without a
-    /// kernel) or records gradients.
+    /// not one it supports (attention weights, or a dtype or device without a kernel) or
+    /// records gradients.
     Fused,
 }
 
@@ -53,7 +53,8 @@ pub struct SdpaOptions {
     pub need_weights: bool,
     /// Which implementation to use.
     pub backend: Backend,
-    /// Logit soft-capping (Gemma 2): `scores = cap · tanh(scores / cap)`, before the mask.
+    /// Logit soft-capping (Gemma 2): `scores = cap · tanh(scores / cap)`, before the mask;
+    /// `cap` must be positive and finite. The fused CPU kernel caps each block of scores.
     pub softcap: Option<f64>,
     /// Learned attention sinks (gpt-oss), one logit per query head `(Hq)`: an extra key
     /// with that logit and a zero value joins every softmax row. The fused CPU kernel
@@ -299,8 +300,8 @@ pub(crate) fn attention(
         return Ok(SdpaOutput { output, weights });
     }
     if let Some(cap) = opts.softcap {
-        if cap.is_nan() || cap <= 0.0 {
-            candle::bail!("sdpa: softcap must be positive, got {cap}")
+        if !(cap > 0.0 && cap.is_finite()) {
+            candle::bail!("sdpa: softcap must be positive and finite, got {cap}")
         }
     }
     if let Some(sinks) = &opts.sinks {
@@ -328,7 +329,7 @@ pub(crate) fn attention(
             &dims,
             scale,
             heads_inner,
-            opts.sinks.as_ref(),
+            (opts.sinks.as_ref(), opts.softcap),
         ),
     }
 }
@@ -353,11 +354,7 @@ fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions, tracked: bool) ->
     match opts.backend {
         Backend::Reference => Ok(Path::Reference),
         Backend::Auto => Ok(
-            if !opts.need_weights
-                && !tracked
-                && opts.softcap.is_none()
-                && crate::kernels::fused_supports(q.device(), q.dtype(), dims)
-            {
+            if !opts.need_weights && !tracked && crate::kernels::fused_supports(q.device(), q.dtype(), dims) {
                 Path::Fused
             } else {
                 Path::Reference
@@ -367,11 +364,6 @@ fn select_backend(q: &Tensor, dims: &Dims, opts: &SdpaOptions, tracked: bool) ->
             if opts.need_weights {
                 candle::bail!(
                     "sdpa: the fused backend does not return attention weights; use Backend::Reference"
-                )
-            }
-            if opts.softcap.is_some() {
-                candle::bail!(
-                    "sdpa: the fused backend does not support softcap; use Backend::Auto or Backend::Reference"
                 )
             }
             if tracked {

@@ -1,7 +1,7 @@
 //! The fused CPU kernel called directly, on every instruction set this machine supports,
 //! against a naive candle reference (including its error paths).
 
-use candle_attention::kernels::cpu::{sdpa, sdpa_with_isa, sdpa_with_sinks, Causal, Isa};
+use candle_attention::kernels::cpu::{sdpa, sdpa_with, sdpa_with_isa, Causal, Extras, Isa};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// Deterministic xorshift generator.
@@ -534,15 +534,31 @@ fn invalid_inputs_error() -> Result<()> {
     assert!(sdpa(&q, &k, &v, Some(&mask_f16), None, 1.0).is_err());
     let mask3 = Tensor::zeros((1, 3, 5), DType::F32, &dev)?;
     assert!(sdpa(&q, &k, &v, Some(&mask3), None, 1.0).is_err());
-    // One sink per query head (4 here).
+    // One sink per query head (4 here); a positive, finite soft-cap.
+    let sinks = |sk: &'static [f32]| Extras {
+        sinks: Some(sk),
+        softcap: None,
+    };
+    let cap = |c: f32| Extras {
+        sinks: None,
+        softcap: Some(c),
+    };
     for heads_inner in [false, true] {
-        let ok = sdpa_with_sinks(&q, &k, &v, None, None, 1.0, Some(&[0.5; 4]), heads_inner)?;
+        let ok = sdpa_with(&q, &k, &v, None, None, 1.0, sinks(&[0.5; 4]), heads_inner)?;
         assert_eq!(ok.dims(), &[1, 4, 3, 6]);
-        let err = sdpa_with_sinks(&q, &k, &v, None, None, 1.0, Some(&[0.5; 2]), heads_inner).unwrap_err();
+        let err = sdpa_with(&q, &k, &v, None, None, 1.0, sinks(&[0.5; 2]), heads_inner).unwrap_err();
         assert!(
             err.to_string().contains("one logit per query head (4), got 2"),
             "{err}"
         );
+        sdpa_with(&q, &k, &v, None, None, 1.0, cap(30.0), heads_inner)?;
+        for c in [0.0, -2.0, f32::NAN, f32::INFINITY] {
+            let err = sdpa_with(&q, &k, &v, None, None, 1.0, cap(c), heads_inner).unwrap_err();
+            assert!(
+                err.to_string().contains("softcap must be positive and finite"),
+                "{err}"
+            );
+        }
     }
     Ok(())
 }

@@ -293,20 +293,20 @@ fn fused_backend_errors_when_it_cannot_run() -> Result<()> {
     let opts = SdpaOptions::new().with_backend(Backend::Fused).with_weights(true);
     let msg = err_msg(scaled_dot_product_attention(&q, &q, &q, &opts));
     assert!(msg.contains("weights"), "{msg}");
-    // Softcap has no fused kernel: refused, not silently dropped, with sinks or without.
+    // Sinks and softcap run on the fused kernel; a cap that is not positive and finite
+    // is refused on either path.
     let fused = SdpaOptions::new().with_backend(Backend::Fused);
-    let msg = err_msg(sdpa(&q, &q, &q, &fused.clone().with_softcap(30.0)));
-    assert!(msg.contains("does not support softcap"), "{msg}");
     let sinks = Tensor::zeros(2, DType::F32, &Device::Cpu)?;
-    let msg = err_msg(sdpa(
-        &q,
-        &q,
-        &q,
-        &fused.clone().with_softcap(30.0).with_sinks(sinks.clone()),
-    ));
-    assert!(msg.contains("does not support softcap"), "{msg}");
-    // Sinks run on the fused kernel.
-    sdpa(&q, &q, &q, &fused.with_sinks(sinks))?;
+    sdpa(&q, &q, &q, &fused.clone().with_softcap(30.0).with_sinks(sinks))?;
+    for cap in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        for opts in [fused.clone(), SdpaOptions::new().with_backend(Backend::Reference)] {
+            let msg = err_msg(sdpa(&q, &q, &q, &opts.with_softcap(cap)));
+            assert!(
+                msg.contains("softcap must be positive and finite"),
+                "{cap}: {msg}"
+            );
+        }
+    }
     Ok(())
 }
 

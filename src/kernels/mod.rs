@@ -1,7 +1,7 @@
 //! Backend-specific fused kernels behind the SDPA dispatcher.
 //!
-//! Only the CPU has one so far ([`cpu`]). Every other device, f64, attention weights and
-//! softcap go through the reference path in candle ops.
+//! Only the CPU has one so far ([`cpu`]). Every other device, f64 and attention weights
+//! go through the reference path in candle ops.
 use candle::{DType, Device, Result, Tensor};
 
 use crate::mask::AttnMask;
@@ -17,8 +17,8 @@ pub(crate) fn fused_supports(device: &Device, dtype: DType, _dims: &Dims) -> boo
 /// Runs the fused CPU kernel on `(…, Hq, L, E)` inputs; `explicit` is the explicit part of
 /// the mask as an additive f32 tensor aligned to the score rank, `mask` supplies the causal
 /// rule, applied by loop bounds. With `heads_inner` and rank-4 inputs, the output is a view
-/// of `(N, L, Hq, Ev)` memory (see [`cpu::sdpa_with_sinks`]). `sinks`: one logit per
-/// query head `(Hq)`.
+/// of `(N, L, Hq, Ev)` memory (see [`cpu::sdpa_with`]). `sinks`: one logit per query
+/// head `(Hq)`; `softcap`: the cap of the scaled scores.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dispatch_fused(
     q: &Tensor,
@@ -29,7 +29,7 @@ pub(crate) fn dispatch_fused(
     dims: &Dims,
     scale: f64,
     heads_inner: bool,
-    sinks: Option<&Tensor>,
+    (sinks, softcap): (Option<&Tensor>, Option<f64>),
 ) -> Result<SdpaOutput> {
     let (n, hq, hkv, l, s, e, ev) = (dims.n, dims.hq, dims.hkv, dims.l, dims.s, dims.e, dims.ev);
     // Views with the batch dims collapsed; the kernel reads any strides.
@@ -51,14 +51,18 @@ pub(crate) fn dispatch_fused(
     let shape = dims.out_shape(ev);
     // Already the output shape: a `reshape` would copy the `heads_inner` view.
     let heads_inner = heads_inner && shape == [n, hq, l, ev];
-    let output = cpu::sdpa_with_sinks(
+    let extras = cpu::Extras {
+        sinks: sinks.as_deref(),
+        softcap: softcap.map(|c| c as f32),
+    };
+    let output = cpu::sdpa_with(
         &q4,
         &k4,
         &v4,
         m4.as_ref(),
         causal,
         scale as f32,
-        sinks.as_deref(),
+        extras,
         heads_inner,
     )?;
     let output = if heads_inner {

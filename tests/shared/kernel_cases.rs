@@ -47,6 +47,11 @@ impl Lcg {
         (self.normal(&[hq])? * 3.0)? + 2.0
     }
 
+    /// A logit soft-cap between 0.5 and 3.5.
+    pub fn cap(&mut self) -> f64 {
+        0.5 + 3.0 * self.next_f32() as f64
+    }
+
     /// A bool keep mask whose rows (over the last dim) each keep one run of keys, as
     /// right or left padding gives: all keys, none, a prefix, a suffix or a middle run.
     pub fn runs(&mut self, shape: &[usize]) -> Result<Tensor> {
@@ -367,6 +372,25 @@ pub fn masks(r: &mut Lcg, sh: &Shape) -> Result<Vec<(String, SdpaOptions)>> {
             .with_mask(AttnMask::keep(&m)?)
             .with_sinks(r.sinks(sh.hq)?),
     ));
+    // Soft-capping (caps of 0.5–3.5, below the scaled scores' spread, so it matters):
+    // alone, with causal and explicit masks, fully masked rows, and sinks.
+    out.push(("softcap".to_string(), SdpaOptions::new().with_softcap(r.cap())));
+    let add = (r.normal(&[1, sh.hq, sh.l, sh.s])? * 2.0)?;
+    out.push((
+        "softcap+additive+causal".to_string(),
+        SdpaOptions::new()
+            .with_mask(AttnMask::additive(&add)?)
+            .with_causal(true)
+            .with_softcap(r.cap()),
+    ));
+    let m = r.keep(&[sh.b, 1, sh.l, sh.s], 0.3)?;
+    out.push((
+        "softcap+keep+sinks".to_string(),
+        SdpaOptions::new()
+            .with_mask(AttnMask::keep(&m)?)
+            .with_softcap(r.cap())
+            .with_sinks(r.sinks(sh.hq)?),
+    ));
     let m = r.runs(&[sh.b, 1, 1, sh.s])?;
     out.push((
         "sinks+pad+causal".to_string(),
@@ -416,9 +440,10 @@ pub fn fused_matches_reference(seed: u64) -> Result<usize> {
     Ok(checked)
 }
 
-/// Attention sinks where few (batch, kv head) groups meet a long key range, so the
-/// kernel splits the keys across threads and merges the parts by log-sum-exp: the sink
-/// must enter each row once, after the merge. Returns the number of comparisons.
+/// Attention sinks (some with a soft-cap) where few (batch, kv head) groups meet a long
+/// key range, so the kernel splits the keys across threads and merges the parts by
+/// log-sum-exp: the sink must enter each row once, after the merge. Returns the number
+/// of comparisons.
 pub fn sinks_split_k_matches_reference(seed: u64) -> Result<usize> {
     let mut r = Lcg::new(seed);
     let mut checked = 0;
@@ -429,10 +454,18 @@ pub fn sinks_split_k_matches_reference(seed: u64) -> Result<usize> {
         let v = r.normal(&[1, hkv, s, 64])?;
         let window = AttnMask::sliding_window(900, CausalAlign::BottomRight)?;
         let keep = AttnMask::keep(&r.keep(&[1, hq, l, s], 0.5)?)?;
-        for mask in [None, Some(window), Some(keep)] {
+        for (mask, cap) in [
+            (None, false),
+            (Some(window), true),
+            (Some(keep), false),
+            (None, true),
+        ] {
             let mut opts = SdpaOptions::new().with_gqa(hq != hkv).with_sinks(r.sinks(hq)?);
             if let Some(m) = mask {
                 opts = opts.with_mask(m);
+            }
+            if cap {
+                opts = opts.with_softcap(r.cap());
             }
             for dt in [DType::F32, DType::BF16] {
                 let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);

@@ -8,7 +8,7 @@ use super::pack::{
 };
 #[cfg(target_arch = "x86_64")]
 use super::{amx, avx2, avx512};
-use super::{par, Causal, Isa};
+use super::{par, softcap, Causal, Isa};
 use std::cell::RefCell;
 use std::f32::consts::LOG2_E;
 use std::marker::PhantomData;
@@ -52,6 +52,8 @@ pub(crate) struct Problem<'a> {
     /// Attention-sink logits, one per query head, in the log2 domain of the scores
     /// (`sink · log2 e`): each adds `2^(sink − m)` to its rows' softmax sums.
     pub sinks: Option<Vec<f32>>,
+    /// Soft-cap of the scores in the log2 domain (`cap · log2 e`; see `softcap`).
+    pub softcap: Option<f32>,
     /// Run the block products on AMX tiles with this component plan (bf16/f16 inputs on
     /// a machine with AMX); `None` runs them on `isa`.
     #[cfg(target_arch = "x86_64")]
@@ -1371,7 +1373,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
                 let lds = 2 * BK;
                 let (b0, b1) = (kb * (kbl + vbl), (kb + 1) * (kbl + vbl));
                 let (k0, k1) = (&grp[b0..b0 + kbl], &grp[b1..b1 + kbl]);
-                if p.mask.is_none() && nk2 == 2 * BK {
+                if p.mask.is_none() && p.softcap.is_none() && nk2 == 2 * BK {
                     // Both blocks full and no explicit mask: each goes through the
                     // softmax in registers, then block 0's probabilities are brought to
                     // block 1's reference (rows whose reference moved, rare with the lazy
@@ -1447,6 +1449,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         // (`avx2::qk_max`), so the softmax skips its pass over the rows for the maxima.
         let whole = cfg!(target_arch = "x86_64")
             && p.mask.is_none()
+            && p.softcap.is_none()
             && !need_causal
             && nk == BK
             && matches!(src, KvSrc::Packed(_) | KvSrc::Stream);
@@ -1622,6 +1625,13 @@ fn online_rows(
             (0, nk)
         }
     };
+    if let Some(c) = p.softcap {
+        // Before the mask, as in Gemma 2.
+        for r in 0..n {
+            let (a, z) = range(r);
+            softcap::cap_scores(p.isa, &mut sb[r * lds + a..r * lds + z], c);
+        }
+    }
     if let Some(mk) = &p.mask {
         for r in 0..n {
             let (a, z) = range(r);

@@ -41,9 +41,13 @@
 //!   with lazy rescaling and lane-wise row sums (`avx512::softmax_row_bf16`).
 //! * bf16 without AMX, on a CPU with AVX512-BF16 (AMD Zen 4): the same path, operands
 //!   and packs, with the two block products on `VDPBF16PS` register tiles (`dpbf16`).
-//! * Attention sinks (one logit per query head, [`sdpa_with_sinks`]) enter each row's
+//! * Attention sinks (one logit per query head, [`Extras::sinks`]) enter each row's
 //!   softmax sum once, `2^(sink − m)` against the row's reference max `m`, when the row
 //!   is normalised (`driver::finish`) or after the split-K merge (`driver::merge`).
+//! * Logit soft-capping ([`Extras::softcap`]) caps each block's scores in
+//!   `driver::online_rows`, before the mask (`softcap`); the paths that take their
+//!   softmax elsewhere (AVX-512's softmax in registers, AVX2's row maxima kept by the
+//!   score kernel, the AMX and AVX512-BF16 tiles) stand aside for it.
 //! * Nothing here has a backward pass: the dispatcher (`crate::sdpa`) and `crate::Proj`
 //!   send tensors that record gradients to candle's ops instead.
 //! * Decode on AVX-512 reads f16/bf16 K/V rows in place and widens them in registers,
@@ -88,6 +92,7 @@ mod pack;
 pub(crate) mod pages;
 pub(crate) mod par;
 mod portable;
+mod softcap;
 
 use pack::{Data, MaskView, View};
 
@@ -294,40 +299,48 @@ pub fn sdpa(
     sdpa_with_isa(q, k, v, mask, causal, scale, Isa::selected())
 }
 
-/// [`sdpa`] with attention sinks (gpt-oss): `sinks` holds one logit per query head
-/// (`Hq` values), an extra key of that score and a zero value in every row's softmax, so
-/// each row's weights sum to less than one. With `heads_inner`, the result `(B, Hq, L,
+/// What [`sdpa_with`] adds to [`sdpa`]'s softmax. The default adds nothing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Extras<'a> {
+    /// Attention sinks (gpt-oss): one logit per query head (`Hq` values), an extra key of
+    /// that score and a zero value in every row's softmax, so each row's weights sum to
+    /// less than one. Rows without a visible key are 0, as without sinks.
+    pub sinks: Option<&'a [f32]>,
+    /// Logit soft-capping (Gemma 2): `cap · tanh(score / cap)` of each scaled score,
+    /// before the mask; `cap` positive and finite.
+    pub softcap: Option<f32>,
+}
+
+/// [`sdpa`] with [`Extras`] (sinks, softcap). With `heads_inner`, the result `(B, Hq, L,
 /// Ev)` is a view of `(B, L, Hq, Ev)` row-major memory (the layout of PyTorch's CPU flash
 /// attention output), so that the usual `transpose(1, 2)` to `(B, L, Hq, Ev)` afterwards
-/// is contiguous and a following `reshape` to `(B, L, Hq · Ev)` copies nothing. Rows
-/// without a visible key are 0, as without sinks.
+/// is contiguous and a following `reshape` to `(B, L, Hq · Ev)` copies nothing.
 #[allow(clippy::too_many_arguments)]
-pub fn sdpa_with_sinks(
+pub fn sdpa_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
     causal: Option<Causal>,
     scale: f32,
-    sinks: Option<&[f32]>,
+    extras: Extras,
     heads_inner: bool,
 ) -> Result<Tensor> {
     let plan = CallPlan {
-        sinks,
+        extras,
         ..CallPlan::new(heads_inner)
     };
     sdpa_impl(q, k, v, mask, causal, scale, Isa::selected(), plan)
 }
 
-/// The output layout, the K/V pack budget and the sinks of one [`sdpa_impl`] call.
+/// The output layout, the K/V pack budget and the [`Extras`] of one [`sdpa_impl`] call.
 #[derive(Clone, Copy)]
 struct CallPlan<'a> {
     /// `(B, L, Hq, Ev)` memory behind the `(B, Hq, L, Ev)` result.
     heads_inner: bool,
     /// [`driver::PACK_BUDGET_BYTES`] outside tests.
     pack_budget: usize,
-    /// One attention-sink logit per query head (see [`sdpa_with_sinks`]).
-    sinks: Option<&'a [f32]>,
+    extras: Extras<'a>,
 }
 
 impl CallPlan<'_> {
@@ -335,7 +348,7 @@ impl CallPlan<'_> {
         Self {
             heads_inner,
             pack_budget: driver::PACK_BUDGET_BYTES,
-            sinks: None,
+            extras: Extras::default(),
         }
     }
 }
@@ -440,13 +453,18 @@ fn sdpa_impl(
             k.dims()
         );
     }
-    if let Some(sk) = layout.sinks {
+    if let Some(sk) = layout.extras.sinks {
         if sk.len() != hq {
             candle::bail!(
                 "sdpa: sinks must hold one logit per query head ({hq}), got {} for q {:?}",
                 sk.len(),
                 q.dims()
             );
+        }
+    }
+    if let Some(cap) = layout.extras.softcap {
+        if !(cap > 0.0 && cap.is_finite()) {
+            candle::bail!("sdpa: softcap must be positive and finite, got {cap}");
         }
     }
     if let Some(m) = mask {
@@ -509,11 +527,11 @@ fn sdpa_impl(
         ev,
         pack_budget: layout.pack_budget,
         heads_inner: layout.heads_inner,
-        sinks: layout
-            .sinks
-            .map(|sk| sk.iter().map(|&x| x * std::f32::consts::LOG2_E).collect()),
+        sinks: (layout.extras.sinks).map(|sk| sk.iter().map(|&x| x * std::f32::consts::LOG2_E).collect()),
+        softcap: layout.extras.softcap.map(|cap| cap * std::f32::consts::LOG2_E),
         #[cfg(target_arch = "x86_64")]
-        amx: amx_plan(dtype, isa),
+        // Softcap runs in `driver::online_rows`, which the AMX path's softmax skips.
+        amx: amx_plan(dtype, isa).filter(|_| layout.extras.softcap.is_none()),
     };
     let dev = q.device();
     let mem_shape = if layout.heads_inner {
@@ -598,7 +616,7 @@ mod tests {
         let budget = |pack_budget| CallPlan {
             heads_inner: false,
             pack_budget,
-            sinks: None,
+            extras: Extras::default(),
         };
         for isa in [Isa::Portable, Isa::detect()] {
             let a = sdpa_impl(&q, &k, &v, None, c, 0.2, isa, budget(driver::PACK_BUDGET_BYTES))?;
@@ -632,7 +650,7 @@ mod tests {
                 let plan = CallPlan {
                     heads_inner: false,
                     pack_budget,
-                    sinks: None,
+                    extras: Extras::default(),
                 };
                 let run = |threads: usize| -> Result<Tensor> {
                     let pool = rayon::ThreadPoolBuilder::new()
