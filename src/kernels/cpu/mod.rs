@@ -527,7 +527,7 @@ fn sdpa_impl(
         ev,
         pack_budget: layout.pack_budget,
         heads_inner: layout.heads_inner,
-        sinks: (layout.extras.sinks).map(|sk| sk.iter().map(|&x| x * std::f32::consts::LOG2_E).collect()),
+        sinks: layout.extras.sinks.map(|sk| sk.iter().map(|&x| x * std::f32::consts::LOG2_E).collect()),
         softcap: layout.extras.softcap.map(|cap| cap * std::f32::consts::LOG2_E),
         #[cfg(target_arch = "x86_64")]
         // Softcap runs in `driver::online_rows`, which the AMX path's softmax skips.
