@@ -33,6 +33,12 @@
 //! with candle-nn as candle-transformers writes it (see [`decode_layer`]); `scripts/
 //! bench_vs_torch.py` has no PyTorch side for it.
 //!
+//! `gemma2_softcap` (Gemma 2 9B's attention: 16 query and 8 KV heads of 256, causal,
+//! logit soft-cap 50) and `gptoss_sinks` (gpt-oss-20b's: 64 query and 8 KV heads of 64,
+//! causal, one sink logit per head), f32 and bf16, at L = S = 1024: `candle_unfused`
+//! writes the cap or the sink column in candle ops (see [`unfused_extra`]); candle-nn's
+//! `flash_attn` has neither.
+//!
 //! Before the first case and after the last, the bench also measures the machine's f32
 //! FMA peak on all of the kernel's threads at once (a register-only loop of independent
 //! fused multiply-adds in the kernel's instruction set) and prints it to stderr, so a
@@ -65,6 +71,18 @@ struct Case {
     /// K/V are the views of a full `KvCache` (as in a model's decode loop) instead of
     /// tensors of their own.
     cache: bool,
+    /// What the case adds to the softmax.
+    extra: Extra,
+}
+
+/// A softmax addition of a model family: Gemma 2's logit soft-cap or gpt-oss's sinks.
+#[derive(Clone, Copy, PartialEq)]
+enum Extra {
+    None,
+    /// `cap · tanh(score / cap)` before the mask.
+    Softcap(f64),
+    /// One random sink logit per query head.
+    Sinks,
 }
 
 const ALL: &[DType] = &[DType::F32, DType::BF16, DType::F16];
@@ -73,19 +91,21 @@ const F32_BF16: &[DType] = &[DType::F32, DType::BF16];
 
 #[rustfmt::skip]
 const CASES: &[Case] = &[
-    Case { name: "enc512", b: 1, hq: 16, hkv: 16, l: 512, s: 512, d: 64, causal: false, pad: false, dtypes: ALL, candle: true, cache: false },
-    Case { name: "enc1k_d128", b: 1, hq: 16, hkv: 16, l: 1024, s: 1024, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false },
-    Case { name: "gpt1k_causal", b: 1, hq: 32, hkv: 32, l: 1024, s: 1024, d: 64, causal: true, pad: false, dtypes: ALL, candle: true, cache: false },
-    Case { name: "gpt2k_causal_d128", b: 1, hq: 32, hkv: 32, l: 2048, s: 2048, d: 128, causal: true, pad: false, dtypes: ALL, candle: true, cache: false },
-    Case { name: "bert_pad", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: true, dtypes: ALL, candle: true, cache: false },
-    Case { name: "long8k_causal", b: 1, hq: 8, hkv: 8, l: 8192, s: 8192, d: 64, causal: true, pad: false, dtypes: F32, candle: true, cache: false },
-    Case { name: "long32k_causal", b: 1, hq: 8, hkv: 8, l: 32768, s: 32768, d: 64, causal: true, pad: false, dtypes: F32, candle: false, cache: false },
-    Case { name: "decode_gqa", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false },
-    Case { name: "decode_b4", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false },
-    Case { name: "decode_gqa_cache", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true },
-    Case { name: "decode_b4_cache", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true },
-    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: false, dtypes: F32, candle: true, cache: false },
-    Case { name: "decode_layer_sliding", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: true, pad: false, dtypes: F32_BF16, candle: true, cache: true },
+    Case { name: "enc512", b: 1, hq: 16, hkv: 16, l: 512, s: 512, d: 64, causal: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "enc1k_d128", b: 1, hq: 16, hkv: 16, l: 1024, s: 1024, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "gpt1k_causal", b: 1, hq: 32, hkv: 32, l: 1024, s: 1024, d: 64, causal: true, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "gpt2k_causal_d128", b: 1, hq: 32, hkv: 32, l: 2048, s: 2048, d: 128, causal: true, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "bert_pad", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: true, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "long8k_causal", b: 1, hq: 8, hkv: 8, l: 8192, s: 8192, d: 64, causal: true, pad: false, dtypes: F32, candle: true, cache: false, extra: Extra::None },
+    Case { name: "long32k_causal", b: 1, hq: 8, hkv: 8, l: 32768, s: 32768, d: 64, causal: true, pad: false, dtypes: F32, candle: false, cache: false, extra: Extra::None },
+    Case { name: "decode_gqa", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "decode_b4", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "decode_gqa_cache", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true, extra: Extra::None },
+    Case { name: "decode_b4_cache", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true, extra: Extra::None },
+    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: false, dtypes: F32, candle: true, cache: false, extra: Extra::None },
+    Case { name: "decode_layer_sliding", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: true, pad: false, dtypes: F32_BF16, candle: true, cache: true, extra: Extra::None },
+    Case { name: "gemma2_softcap", b: 1, hq: 16, hkv: 8, l: 1024, s: 1024, d: 256, causal: true, pad: false, dtypes: F32_BF16, candle: true, cache: false, extra: Extra::Softcap(50.0) },
+    Case { name: "gptoss_sinks", b: 1, hq: 64, hkv: 8, l: 1024, s: 1024, d: 64, causal: true, pad: false, dtypes: F32_BF16, candle: true, cache: false, extra: Extra::Sinks },
 ];
 
 fn dtype_name(dt: DType) -> &'static str {
@@ -144,13 +164,40 @@ fn unfused(
     scale: f64,
     g: usize,
 ) -> candle_core::Result<Tensor> {
+    unfused_extra(q, k, v, mask, scale, g, (None, None))
+}
+
+/// [`unfused`] with Gemma 2's soft-cap (before the mask) or gpt-oss's sinks (a column of
+/// per-head logits joined to the scores for the softmax, then dropped), as their
+/// candle-transformers and Hugging Face eager attention write them.
+fn unfused_extra(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    g: usize,
+    (softcap, sinks): (Option<f64>, Option<&Tensor>),
+) -> candle_core::Result<Tensor> {
     let k = repeat_kv(k, g)?;
     let v = repeat_kv(v, g)?;
     let mut s = (q.matmul(&k.t()?)? * scale)?;
+    if let Some(cap) = softcap {
+        s = ((s / cap)?.tanh()? * cap)?;
+    }
     if let Some(m) = mask {
         s = s.broadcast_add(m)?;
     }
-    candle_nn::ops::softmax_last_dim(&s)?.matmul(&v)
+    let Some(sinks) = sinks else {
+        return candle_nn::ops::softmax_last_dim(&s)?.matmul(&v);
+    };
+    let (b, h, l, n) = s.dims4()?;
+    let col = sinks
+        .reshape((1, h, 1, 1))?
+        .broadcast_as((b, h, l, 1))?
+        .contiguous()?;
+    let p = candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&s, &col.to_dtype(s.dtype())?], 3)?)?;
+    p.narrow(3, 0, n)?.matmul(&v)
 }
 
 fn flash(
@@ -427,6 +474,16 @@ fn bench_case(
         if let Some(m) = &keep {
             opts = opts.with_mask(AttnMask::keep(m)?);
         }
+        let softcap = match c.extra {
+            Extra::Softcap(cap) => Some(cap),
+            _ => None,
+        };
+        let sinks = match c.extra {
+            Extra::Sinks => Some(rnd(&[c.hq])?),
+            _ => None,
+        };
+        opts.softcap = softcap;
+        opts.sinks = sinks.clone();
         let add_mask = match (&keep, c.causal) {
             (Some(m), _) => Some(m.where_cond(
                 &Tensor::zeros(m.shape(), dt, &dev)?,
@@ -448,9 +505,20 @@ fn bench_case(
         // long8k: 8192² f32 scores per head are 2 GB; long32k: 32 GB.
         if c.candle && c.name != "long8k_causal" {
             let (qr, kr, vr, am) = (q.clone(), k.clone(), v.clone(), add_mask.clone());
+            let sk = sinks.clone();
             impls.push((
                 "candle_unfused",
-                Box::new(move || Ok(unfused(&qr, &kr, &vr, am.as_ref(), scale, g)?)),
+                Box::new(move || {
+                    Ok(unfused_extra(
+                        &qr,
+                        &kr,
+                        &vr,
+                        am.as_ref(),
+                        scale,
+                        g,
+                        (softcap, sk.as_ref()),
+                    )?)
+                }),
             ));
         }
         // candle's flash_attn takes (B, S, H, D).
@@ -465,7 +533,8 @@ fn bench_case(
         } else {
             candle_nn::attention::AttnMask::None
         };
-        if c.candle {
+        // candle-nn's `flash_attn` has neither a soft-cap nor sinks.
+        if c.candle && c.extra == Extra::None {
             impls.push((
                 "candle_flash",
                 Box::new(move || Ok(flash(&qf, &kf, &vf, scale as f32, cmask.clone())?)),

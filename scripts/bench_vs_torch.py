@@ -17,6 +17,10 @@ machine's f32 FMA peak and DRAM read bandwidth (`bench --peak-only`) are printed
 first case and after the last, and `ours_GB/s` (bytes of q, k, v and the output per second,
 as the Rust bench counts them) can be read against that bandwidth for the decode cases.
 
+`gemma2_softcap` and `gptoss_sinks` need a logit soft-cap or attention sinks, which
+`F.scaled_dot_product_attention` does not take; PyTorch runs Hugging Face's eager attention
+for those families there (see `eager`), as transformers does on CPU.
+
 `decode_gqa_cache` and `decode_b4_cache` read K/V from this crate's `KvCache`, whose CPU
 buffers are advised for transparent huge pages. For those two, PyTorch runs in a child
 process with `THP_MEM_ALLOC_ENABLE=1`, so that its tensors get huge pages too.
@@ -51,7 +55,12 @@ CASES = {
     "decode_gqa_cache": (1, 32, 8, 1, 4096, 128, False, False, ALL),
     "decode_b4_cache": (4, 32, 32, 1, 2048, 128, False, False, ALL),
     "mha_layer": (8, 12, 12, 128, 128, 64, False, False, ["f32"]),
+    "gemma2_softcap": (1, 16, 8, 1024, 1024, 256, True, False, ["f32", "bf16"]),
+    "gptoss_sinks": (1, 64, 8, 1024, 1024, 64, True, False, ["f32", "bf16"]),
 }
+# Cases that PyTorch's SDPA cannot express: they run the eager attention of Hugging Face's
+# modeling code for the family (`eager_attention_forward` of Gemma 2 and gpt-oss).
+EAGER = {"gemma2_softcap": ("softcap", 50.0), "gptoss_sinks": ("sinks", None)}
 # Cases whose PyTorch side allocates with huge pages (PyTorch reads the variable once).
 THP_CASES = {"decode_gqa_cache", "decode_b4_cache"}
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -83,6 +92,11 @@ def torch_case(name, dtype, rounds, min_secs):
         q = torch.randn(b, hq, l, d, dtype=dt)
         k = torch.randn(b, hkv, s, d, dtype=dt)
         v = torch.randn(b, hkv, s, d, dtype=dt)
+        if name in EAGER:
+            kind, cap = EAGER[name]
+            sinks = torch.randn(hq, dtype=dt) if kind == "sinks" else None
+            causal_mask = torch.full((l, s), float("-inf"), dtype=dt).triu(1)
+            return time_median(lambda: eager(q, k, v, causal_mask, cap, sinks), rounds, min_secs)
         mask = None
         if pad:
             mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
@@ -93,6 +107,29 @@ def torch_case(name, dtype, rounds, min_secs):
             rounds,
             min_secs,
         )
+
+
+def eager(q, k, v, causal_mask, softcap, sinks):
+    """Hugging Face's eager attention for Gemma 2 (soft-cap before the mask, softmax in
+    float32) and gpt-oss (a sink column joined to the logits, max subtracted, softmax in
+    the input dtype, column dropped), with `repeat_kv` for GQA."""
+    b, hkv, s, d = k.shape
+    g = q.shape[1] // hkv
+
+    def repeat_kv(x):
+        return x[:, :, None].expand(b, hkv, g, s, d).reshape(b, hkv * g, s, d)
+
+    w = torch.matmul(q, repeat_kv(k).transpose(2, 3)) * d ** -0.5
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    w = w + causal_mask
+    if sinks is not None:
+        combined = torch.cat([w, sinks.reshape(1, -1, 1, 1).expand(b, -1, w.shape[2], -1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        w = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    else:
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, repeat_kv(v))
 
 
 def torch_case_thp(name, dtype, rounds, min_secs):
