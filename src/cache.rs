@@ -583,7 +583,7 @@ mod tests {
     fn large_cpu_buffers_are_marked_for_huge_pages() -> Result<()> {
         use crate::kernels::cpu::pages::{marked_for_huge_pages, storage_span, thp_available};
         if !thp_available() {
-            eprintln!("transparent huge pages off or absent: nothing to check");
+            eprintln!("transparent huge pages off, absent or not reported: nothing to check");
             return Ok(());
         }
         let mut cache = KvCache::with_max_len(4096);

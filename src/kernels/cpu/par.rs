@@ -57,6 +57,8 @@ pub(crate) fn vec_for_each<T: Send>(items: Vec<T>, f: impl Fn(T) + Sync + Send) 
 
 /// `f(state, (i, chunk))` for the `i`-th chunk of `n` elements of `buf`, with states
 /// made by `init` (one per rayon job, or a single one inside [`inline`]).
+// Only `linear` (x86-64) calls it outside the tests.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn chunks_for_each<T: Send, S>(
     buf: &mut [T],
     n: usize,
