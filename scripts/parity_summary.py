@@ -12,7 +12,9 @@ KINDS = ["sdpa", "multihead_attention", "notes_sdpa", "notes_multihead", "notes_
 rows = [json.loads(line) for line in sys.stdin if line.strip()]
 agg = {}
 for r in rows:
-    a = agg.setdefault((r["kind"], r["dtype"]), {"n": 0, "pass": 0, "worst": 0.0, "tol": r["tol"]})
+    a = agg.setdefault((r["kind"], r["dtype"]), {"n": 0, "pass": 0, "worst": 0.0, "tol": None})
+    # A fixture that failed with an error has no tolerance, and its dtype is "?".
+    a["tol"] = a["tol"] if r["tol"] is None else r["tol"]
     a["n"] += 1
     a["pass"] += bool(r["pass"])
     a["worst"] = max(a["worst"], r["max_rel_err"] if r["max_rel_err"] is not None else float("inf"))
@@ -21,5 +23,6 @@ print("|---|---|---|---|---|---|")
 key = lambda kd: (KINDS.index(kd[0]) if kd[0] in KINDS else 99, ORDER.get(kd[1], 9))
 for (kind, dtype) in sorted(agg, key=key):
     a = agg[(kind, dtype)]
-    print(f"| {kind} | {dtype} | {a['n']} | {a['pass']} | {a['worst']:.1e} | {a['tol']:.0e} |")
+    tol = "—" if a["tol"] is None else f"{a['tol']:.0e}"
+    print(f"| {kind} | {dtype} | {a['n']} | {a['pass']} | {a['worst']:.1e} | {tol} |")
 print(f"\n{sum(a['pass'] for a in agg.values())} of {len(rows)} fixtures pass.")
