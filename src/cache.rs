@@ -449,11 +449,8 @@ fn cat_seq(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::max_diff;
     use candle::{DType, Device};
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
-    }
 
     /// A clone holds what the original holds and then evolves apart from it, for
     /// linear, fixed and rotating caches.

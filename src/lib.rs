@@ -26,6 +26,8 @@ pub mod notes;
 pub mod proj;
 pub mod rope;
 pub mod sdpa;
+#[cfg(test)]
+mod testing;
 
 pub use cache::{KvCache, KvView};
 pub use mask::{AttnMask, CausalAlign, CausalRule};

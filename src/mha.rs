@@ -502,6 +502,7 @@ impl Module for MultiheadAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::max_diff;
     use candle::{DType, Device};
     use std::collections::HashMap;
 
@@ -524,10 +525,6 @@ mod tests {
             ..MultiheadAttentionConfig::new(e, h)
         };
         MultiheadAttention::new(&cfg, VarBuilder::from_tensors(map, DType::F32, &dev))
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
     }
 
     /// Self-attention one batch row per thread (`per_batch`) equals the whole-batch path

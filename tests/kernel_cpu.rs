@@ -667,6 +667,12 @@ fn check_amx_precision(
         // the f32 rounding of either path (dropping an f16 component costs ~2⁻⁹ · |v|),
         // plus the bf16 probability rounding.
         let bound = ((f32_math.abs()? * ulp as f64)? + (2e-5 + p_err * vmax))?;
+        // (Checked first: candle's `max` below would skip a NaN.)
+        let finite = ours.flatten_all()?.to_vec1::<f32>()?;
+        assert!(
+            finite.iter().all(|x| x.is_finite()),
+            "{dt:?} {label}: non-finite output"
+        );
         let excess = ((ours - &rounded)?.abs()? - bound)?
             .flatten_all()?
             .max(0)?

@@ -188,6 +188,8 @@ fn check(c: &Case, seed: u64) -> Result<f64> {
         scale,
     );
     let got = values(&got)?;
+    // (`f64::max` below would skip a NaN.)
+    assert!(got.iter().all(|x| x.is_finite()), "non-finite output");
     if c.additive {
         // Row 1 sees no key: exactly 0, as in PyTorch.
         for bb in 0..b {

@@ -6,14 +6,35 @@ pub fn randn(shape: &[usize]) -> Result<Tensor> {
     Tensor::randn(0f32, 1f32, shape, &Device::Cpu)
 }
 
-/// `max |a − b|`, in f64; shapes must match.
+/// `max |a − b|`, in f64; shapes must match. Equal elements (infinities included) differ
+/// by 0, and a NaN on one side only counts as an infinite difference: candle's `max`
+/// skips NaN, so a reduction in candle ops would miss it.
 pub fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
-    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f64>()
+    let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    Ok(a.iter().zip(&b).map(|(&x, &y)| diff(x, y)).fold(0.0, f64::max))
+}
+
+/// `|x − y|`: 0 when equal (also two equal infinities, or two NaNs), infinite when the
+/// difference is NaN.
+pub fn diff(x: f64, y: f64) -> f64 {
+    if x == y || (x.is_nan() && y.is_nan()) {
+        0.0
+    } else {
+        let d = (x - y).abs();
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            d
+        }
+    }
+}
+
+/// Whether every element is exactly 0 (a NaN is not).
+pub fn all_zero(t: &Tensor) -> Result<bool> {
+    let v = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    Ok(v.iter().all(|&x| x == 0.0))
 }
 
 /// The error message of a result that must be an error.

@@ -83,13 +83,19 @@ pub fn tol(dt: DType) -> f64 {
     }
 }
 
-/// `max|a − b| / max(1, max|b|)`.
+/// `max|a − b| / max(1, max|b|)`, infinite if `a` or `b` holds a NaN or an infinity
+/// (the outputs compared here are always finite). Computed element by element, because
+/// candle's `max` skips NaN.
 pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a.to_dtype(DType::F64)?;
-    let b = b.to_dtype(DType::F64)?;
-    let d = (&a - &b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    let m = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    Ok(d / m.max(1.0))
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    if a.iter().chain(&b).any(|x| !x.is_finite()) {
+        return Ok(f64::INFINITY);
+    }
+    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    let m = b.iter().fold(1f64, |m, x| m.max(x.abs()));
+    Ok(d / m)
 }
 
 #[derive(Clone, Copy, Debug)]
