@@ -1,13 +1,22 @@
 //! Times this crate's SDPA against candle's own paths, side by side in one process.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--json] [--case NAME] [--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S] [--no-peak | --peak-only]
+//! cargo run --release --example bench -- [--json] [--case NAME | --shape B,Hq,Hkv,L,S,D[,causal|causal_br]] [--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S] [--no-peak | --peak-only]
 //! ```
+//!
+//! `--shape` times SDPA on random inputs of any shape instead of the named cases (see
+//! [`parse_shape`]); `scripts/bench_vs_torch.py --shape` takes the same argument.
 //!
 //! Implementations (`impl`): `ours` (this crate, default dispatch), `candle_unfused`
 //! (matmul → `candle_nn::ops::softmax_last_dim` → matmul, as candle-transformers models
 //! write it, with `repeat_kv` for GQA and the mask built outside the timed region) and
 //! `candle_flash` (`candle_nn::attention::flash_attn`, where it accepts the case).
+//!
+//! Agreement: the warm-up's first call of each implementation also gives its output, and
+//! in f32 every other implementation's must be within [`AGREE_F32`] of ours (relative to
+//! our largest value) or the bench stops with an error, so that all of them time the same
+//! attention; in f16 and bf16 the difference is printed to stderr. `decode_layer_sliding`
+//! checks its two layers itself.
 //!
 //! Timing rule: after a warm-up, each implementation is timed `rounds` times (default 5),
 //! alternating between implementations, each timing running whole calls for at least
@@ -37,7 +46,7 @@
 //! logit soft-cap 50) and `gptoss_sinks` (gpt-oss-20b's: 64 query and 8 KV heads of 64,
 //! causal, one sink logit per head), f32 and bf16, at L = S = 1024: `candle_unfused`
 //! writes the cap or the sink column in candle ops (see [`unfused_extra`]); candle-nn's
-//! `flash_attn` has neither.
+//! `flash_attn` takes the soft-cap (`gemma2_softcap`) but has no sinks.
 //!
 //! Before the first case and after the last, the bench also measures the machine's f32
 //! FMA peak on all of the kernel's threads at once (a register-only loop of independent
@@ -64,6 +73,10 @@ struct Case {
     s: usize,
     d: usize,
     causal: bool,
+    /// With `causal`: the causal rule aligned bottom-right (query `i` sees keys up to
+    /// `i + S − L`, as in a chunked prefill or a speculative decode step), not PyTorch's
+    /// top-left `is_causal`. Only `--shape` sets it.
+    bottom_right: bool,
     pad: bool,
     dtypes: &'static [DType],
     /// Also time candle's paths (off where they would need gigabytes or minutes).
@@ -91,22 +104,73 @@ const F32_BF16: &[DType] = &[DType::F32, DType::BF16];
 
 #[rustfmt::skip]
 const CASES: &[Case] = &[
-    Case { name: "enc512", b: 1, hq: 16, hkv: 16, l: 512, s: 512, d: 64, causal: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
-    Case { name: "enc1k_d128", b: 1, hq: 16, hkv: 16, l: 1024, s: 1024, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
-    Case { name: "gpt1k_causal", b: 1, hq: 32, hkv: 32, l: 1024, s: 1024, d: 64, causal: true, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
-    Case { name: "gpt2k_causal_d128", b: 1, hq: 32, hkv: 32, l: 2048, s: 2048, d: 128, causal: true, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
-    Case { name: "bert_pad", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: true, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
-    Case { name: "long8k_causal", b: 1, hq: 8, hkv: 8, l: 8192, s: 8192, d: 64, causal: true, pad: false, dtypes: F32, candle: true, cache: false, extra: Extra::None },
-    Case { name: "long32k_causal", b: 1, hq: 8, hkv: 8, l: 32768, s: 32768, d: 64, causal: true, pad: false, dtypes: F32, candle: false, cache: false, extra: Extra::None },
-    Case { name: "decode_gqa", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
-    Case { name: "decode_b4", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
-    Case { name: "decode_gqa_cache", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true, extra: Extra::None },
-    Case { name: "decode_b4_cache", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, pad: false, dtypes: ALL, candle: true, cache: true, extra: Extra::None },
-    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, pad: false, dtypes: F32, candle: true, cache: false, extra: Extra::None },
-    Case { name: "decode_layer_sliding", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: true, pad: false, dtypes: F32_BF16, candle: true, cache: true, extra: Extra::None },
-    Case { name: "gemma2_softcap", b: 1, hq: 16, hkv: 8, l: 1024, s: 1024, d: 256, causal: true, pad: false, dtypes: F32_BF16, candle: true, cache: false, extra: Extra::Softcap(50.0) },
-    Case { name: "gptoss_sinks", b: 1, hq: 64, hkv: 8, l: 1024, s: 1024, d: 64, causal: true, pad: false, dtypes: F32_BF16, candle: true, cache: false, extra: Extra::Sinks },
+    Case { name: "enc512", b: 1, hq: 16, hkv: 16, l: 512, s: 512, d: 64, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "enc1k_d128", b: 1, hq: 16, hkv: 16, l: 1024, s: 1024, d: 128, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "gpt1k_causal", b: 1, hq: 32, hkv: 32, l: 1024, s: 1024, d: 64, causal: true, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "gpt2k_causal_d128", b: 1, hq: 32, hkv: 32, l: 2048, s: 2048, d: 128, causal: true, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "bert_pad", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, bottom_right: false, pad: true, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "long8k_causal", b: 1, hq: 8, hkv: 8, l: 8192, s: 8192, d: 64, causal: true, bottom_right: false, pad: false, dtypes: F32, candle: true, cache: false, extra: Extra::None },
+    Case { name: "long32k_causal", b: 1, hq: 8, hkv: 8, l: 32768, s: 32768, d: 64, causal: true, bottom_right: false, pad: false, dtypes: F32, candle: false, cache: false, extra: Extra::None },
+    Case { name: "decode_gqa", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "decode_b4", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
+    Case { name: "decode_gqa_cache", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: true, extra: Extra::None },
+    Case { name: "decode_b4_cache", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: true, extra: Extra::None },
+    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, bottom_right: false, pad: false, dtypes: F32, candle: true, cache: false, extra: Extra::None },
+    Case { name: "decode_layer_sliding", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: true, bottom_right: false, pad: false, dtypes: F32_BF16, candle: true, cache: true, extra: Extra::None },
+    Case { name: "gemma2_softcap", b: 1, hq: 16, hkv: 8, l: 1024, s: 1024, d: 256, causal: true, bottom_right: false, pad: false, dtypes: F32_BF16, candle: true, cache: false, extra: Extra::Softcap(50.0) },
+    Case { name: "gptoss_sinks", b: 1, hq: 64, hkv: 8, l: 1024, s: 1024, d: 64, causal: true, bottom_right: false, pad: false, dtypes: F32_BF16, candle: true, cache: false, extra: Extra::Sinks },
 ];
+
+/// The case of `--shape B,Hq,Hkv,L,S,D[,causal|causal_br]`, named `shape_B_Hq_Hkv_L_S_D`
+/// with `_causal` or `_causal_br` appended: SDPA on random inputs of that shape, in every
+/// dtype, GQA where `Hq ≠ Hkv`. `causal` is PyTorch's top-left `is_causal`; `causal_br`
+/// aligns the rule bottom-right (query `i` sees keys up to `i + S − L`), as a chunked
+/// prefill or a speculative decode step over a cache needs.
+fn parse_shape(spec: &str) -> Result<Case> {
+    let parts: Vec<&str> = spec.split(',').collect();
+    let (dims, rule) = match parts.len() {
+        6 => (&parts[..], None),
+        7 => (&parts[..6], Some(parts[6])),
+        _ => bail!("--shape takes B,Hq,Hkv,L,S,D[,causal|causal_br], got {spec:?}"),
+    };
+    let mut n = [0usize; 6];
+    for (x, p) in n.iter_mut().zip(dims) {
+        *x = p
+            .trim()
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--shape {spec:?}: {p:?} is not a size"))?;
+    }
+    let [b, hq, hkv, l, s, d] = n;
+    if n.contains(&0) || !hq.is_multiple_of(hkv) {
+        bail!("--shape {spec:?}: every size must be positive and Hkv must divide Hq");
+    }
+    let (causal, bottom_right) = match rule {
+        None => (false, false),
+        Some("causal") => (true, false),
+        Some("causal_br") if l <= s => (true, true),
+        Some("causal_br") => bail!("--shape {spec:?}: causal_br needs L <= S"),
+        Some(r) => bail!("--shape {spec:?}: the rule is causal or causal_br, got {r:?}"),
+    };
+    let suffix = rule.map(|r| format!("_{r}")).unwrap_or_default();
+    let name = format!("shape_{b}_{hq}_{hkv}_{l}_{s}_{d}{suffix}");
+    Ok(Case {
+        // One case per process: leaking its name keeps `Case` a plain `Copy` constant.
+        name: Box::leak(name.into_boxed_str()),
+        b,
+        hq,
+        hkv,
+        l,
+        s,
+        d,
+        causal,
+        bottom_right,
+        pad: false,
+        dtypes: ALL,
+        candle: true,
+        cache: false,
+        extra: Extra::None,
+    })
+}
 
 fn dtype_name(dt: DType) -> &'static str {
     dt.as_str()
@@ -122,7 +186,47 @@ fn pairs(c: &Case) -> f64 {
     if !c.causal {
         return (c.l * c.s) as f64;
     }
-    (0..c.l).map(|i| (i + 1).min(c.s)).sum::<usize>() as f64
+    (0..c.l).map(|i| (i + 1 + kv_offset(c)).min(c.s)).sum::<usize>() as f64
+}
+
+/// How many more keys than its position a causal query sees: `S − L` bottom-right, 0
+/// top-left.
+fn kv_offset(c: &Case) -> usize {
+    if c.bottom_right {
+        c.s.saturating_sub(c.l)
+    } else {
+        0
+    }
+}
+
+/// Largest relative difference between two implementations' f32 outputs, `max |out −
+/// ours| / max |ours|`, that the bench accepts as the same attention. Every f32 path
+/// lands within about 1e-5 of ours, so 1e-3 leaves room and still catches a wrong mask or
+/// scale, which moves some outputs by a sizeable fraction of their range. In f16 and
+/// bf16 the difference is printed and not checked: candle's unfused path rounds its
+/// products and probabilities to the dtype and lands up to about 0.4 away on these
+/// random inputs (bf16 `enc1k_d128`), as far as a wrong mask would. The f32 run of the
+/// same case checks the inputs and masks, which are built the same way in every dtype.
+const AGREE_F32: f64 = 1e-3;
+
+/// `max |a − b| / max |b|` over all elements, in f32 (a NaN or a shape mismatch counts
+/// as infinitely far).
+fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    if a.dims() != b.dims() {
+        return Ok(f64::INFINITY);
+    }
+    let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?) };
+    let (a, b) = (flat(a)?, flat(b)?);
+    let (mut diff, mut top) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(&b) {
+        let d = f64::from((x - y).abs());
+        if d.is_nan() {
+            return Ok(f64::INFINITY);
+        }
+        diff = diff.max(d);
+        top = top.max(f64::from(y.abs()));
+    }
+    Ok(diff / top.max(f64::MIN_POSITIVE))
 }
 
 fn rss_kb(field: &str) -> Option<u64> {
@@ -206,12 +310,14 @@ fn flash(
     v: &Tensor,
     scale: f32,
     mask: candle_nn::attention::AttnMask,
+    softcap: Option<f32>,
 ) -> candle_core::Result<Tensor> {
     use candle_nn::attention::flash_attn;
+    // Takes `(B, S, H, D)` and returns `(B, H, L, D)`, as `sdpa` does.
     match q.dtype() {
-        DType::F32 => flash_attn::<f32>(q, k, v, scale, mask, None, None),
-        DType::F16 => flash_attn::<half::f16>(q, k, v, scale, mask, None, None),
-        DType::BF16 => flash_attn::<half::bf16>(q, k, v, scale, mask, None, None),
+        DType::F32 => flash_attn::<f32>(q, k, v, scale, mask, None, softcap),
+        DType::F16 => flash_attn::<half::f16>(q, k, v, scale, mask, None, softcap),
+        DType::BF16 => flash_attn::<half::bf16>(q, k, v, scale, mask, None, softcap),
         dt => candle_core::bail!("flash_attn: no {dt:?}"),
     }
 }
@@ -414,18 +520,21 @@ fn bench_case(
             batch_first: true,
             ..MultiheadAttentionConfig::new(e, c.hq)
         };
+        // One set of weights for both layers, scaled as PyTorch initialises them (so that
+        // the scores stay of order 1 and the agreement check below is meaningful).
+        let ws = (e as f64).powf(-0.5);
+        let (w_in, b_in) = ((rnd(&[3 * e, e])? * ws)?, (rnd(&[3 * e])? * ws)?);
+        let (w_out, b_out) = ((rnd(&[e, e])? * ws)?, (rnd(&[e])? * ws)?);
         let map = [
-            ("in_proj_weight", rnd(&[3 * e, e])?),
-            ("in_proj_bias", rnd(&[3 * e])?),
-            ("out_proj.weight", rnd(&[e, e])?),
-            ("out_proj.bias", rnd(&[e])?),
+            ("in_proj_weight", w_in.clone()),
+            ("in_proj_bias", b_in.clone()),
+            ("out_proj.weight", w_out.clone()),
+            ("out_proj.bias", b_out.clone()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
         let mha = MultiheadAttention::new(&cfg, candle_nn::VarBuilder::from_tensors(map, dt, &dev))?;
-        let (w_in, b_in) = (rnd(&[3 * e, e])?, rnd(&[3 * e])?);
-        let (w_out, b_out) = (rnd(&[e, e])?, rnd(&[e])?);
         let xr = x.clone();
         impls.push((
             "ours",
@@ -470,7 +579,11 @@ fn bench_case(
         } else {
             None
         };
-        let mut opts = SdpaOptions::new().with_causal(c.causal).with_gqa(g > 1);
+        let mut opts = SdpaOptions::new().with_gqa(g > 1);
+        opts = match (c.causal, c.bottom_right) {
+            (true, true) => opts.with_mask(AttnMask::causal_bottom_right()),
+            (causal, _) => opts.with_causal(causal),
+        };
         if let Some(m) = &keep {
             opts = opts.with_mask(AttnMask::keep(m)?);
         }
@@ -492,7 +605,7 @@ fn bench_case(
             (None, true) if c.candle => {
                 let mut data = vec![0f32; c.l * c.s];
                 for i in 0..c.l {
-                    for j in i + 1..c.s {
+                    for j in (i + 1 + kv_offset(c)).min(c.s)..c.s {
                         data[i * c.s + j] = f32::NEG_INFINITY;
                     }
                 }
@@ -502,8 +615,10 @@ fn bench_case(
         };
         let (qr, kr, vr) = (q.clone(), k.clone(), v.clone());
         impls.push(("ours", Box::new(move || Ok(sdpa(&qr, &kr, &vr, &opts)?))));
-        // long8k: 8192² f32 scores per head are 2 GB; long32k: 32 GB.
-        if c.candle && c.name != "long8k_causal" {
+        // The unfused path holds several f32 score tensors of `B·Hq·L·S`: skipped when one
+        // of them would pass 1 GiB (`long8k_causal`'s is 2 GiB; `long32k_causal` runs
+        // none of candle's paths).
+        if c.candle && c.b * c.hq * c.l * c.s * 4 <= 1 << 30 {
             let (qr, kr, vr, am) = (q.clone(), k.clone(), v.clone(), add_mask.clone());
             let sk = sinks.clone();
             impls.push((
@@ -526,18 +641,20 @@ fn bench_case(
         let kf = k.transpose(1, 2)?.contiguous()?;
         let vf = v.transpose(1, 2)?.contiguous()?;
         let cmask = if c.causal {
-            candle_nn::attention::AttnMask::causal()
+            candle_nn::attention::AttnMask::causal_with_offset(kv_offset(c))
         } else if c.pad {
             // Only B=1 takes an explicit mask; B=8 is refused (recorded as not accepted).
             candle_nn::attention::AttnMask::Mask(add_mask.clone().unwrap_or(q.zeros_like()?))
         } else {
             candle_nn::attention::AttnMask::None
         };
-        // candle-nn's `flash_attn` has neither a soft-cap nor sinks.
-        if c.candle && c.extra == Extra::None {
+        // candle-nn's `flash_attn` takes a soft-cap (`cap · tanh(score / cap)`, as ours),
+        // but no sinks.
+        if c.candle && c.extra != Extra::Sinks {
+            let cap = softcap.map(|x| x as f32);
             impls.push((
                 "candle_flash",
-                Box::new(move || Ok(flash(&qf, &kf, &vf, scale as f32, cmask.clone())?)),
+                Box::new(move || Ok(flash(&qf, &kf, &vf, scale as f32, cmask.clone(), cap)?)),
             ));
         }
         flops = 4.0 * (c.b * c.hq * c.d) as f64 * pairs(c);
@@ -545,8 +662,10 @@ fn bench_case(
         bytes = el * dt.size_in_bytes() as f64;
     }
 
-    // Warm-up, acceptance, calibration and memory.
+    // Warm-up, acceptance, agreement, calibration and memory.
     let mut runnable = Vec::new();
+    // Our first output, which every other implementation's first output must match.
+    let mut ours_out: Option<Tensor> = None;
     for (name, f) in impls {
         if only_impl.is_some_and(|i| i != name) {
             continue;
@@ -554,11 +673,39 @@ fn bench_case(
         // The first call (its memory includes the buffers kept for later calls), then a
         // second one (steady state); the larger growth is reported.
         let t0 = Instant::now();
-        let (first, rss_first) = with_peak_rss(|| f().map(drop));
-        if let Err(e) = first {
-            let first = e.to_string().lines().next().unwrap_or_default().to_string();
-            eprintln!("# {} {} {}: not accepted: {first}", c.name, name, dtype_name(dt));
-            continue;
+        let (first, rss_first) = with_peak_rss(&f);
+        let out = match first {
+            Ok(out) => out,
+            Err(e) => {
+                let first = e.to_string().lines().next().unwrap_or_default().to_string();
+                eprintln!("# {} {} {}: not accepted: {first}", c.name, name, dtype_name(dt));
+                continue;
+            }
+        };
+        // `decode_layer_sliding` checks its layers itself (candle's bf16 layer is far
+        // off; see `decode_layer`).
+        if c.name != "decode_layer_sliding" {
+            if name == "ours" {
+                ours_out = Some(out);
+            } else if let Some(reference) = &ours_out {
+                let err = rel_diff(&out, reference)?;
+                eprintln!(
+                    "# {} {} {}: max |out - ours| / max |ours| = {err:.1e}",
+                    c.name,
+                    name,
+                    dtype_name(dt)
+                );
+                if dt == DType::F32 && err > AGREE_F32 {
+                    bail!(
+                        "{} {} {}: output differs from ours by {err:.2e} of its largest value \
+                         (more than {}): the two do not compute the same attention",
+                        c.name,
+                        name,
+                        dtype_name(dt),
+                        AGREE_F32
+                    );
+                }
+            }
         }
         let once = t0.elapsed().as_secs_f64();
         let iters = ((min_secs / once.max(1e-9)).ceil() as usize).max(1);
@@ -837,6 +984,7 @@ fn main() -> Result<()> {
     let mut rounds = 5usize;
     let mut min_secs = 1.0f64;
     let mut peak = true;
+    let mut shape: Option<Case> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -847,6 +995,7 @@ fn main() -> Result<()> {
                 return Ok(());
             }
             "--case" => only_case = args.next(),
+            "--shape" => shape = Some(parse_shape(&args.next().unwrap_or_default())?),
             "--impl" => only_impl = args.next(),
             "--dtype" => {
                 only_dtype = Some(match args.next().as_deref() {
@@ -860,6 +1009,9 @@ fn main() -> Result<()> {
             "--min-secs" => min_secs = args.next().unwrap_or_default().parse()?,
             _ => bail!("unknown argument {a}"),
         }
+    }
+    if shape.is_some() && only_case.is_some() {
+        bail!("--shape and --case exclude each other");
     }
     if let Some(name) = &only_case {
         if !CASES.iter().any(|c| c.name == name) {
@@ -878,10 +1030,15 @@ fn main() -> Result<()> {
             "case", "impl", "dtype", "ms", "GFLOP/s", "GB/s", "peak_rss_mb"
         );
     }
-    for c in CASES
-        .iter()
-        .filter(|c| only_case.as_deref().is_none_or(|n| n == c.name))
-    {
+    let cases: Vec<Case> = match shape {
+        Some(c) => vec![c],
+        None => CASES
+            .iter()
+            .filter(|c| only_case.as_deref().is_none_or(|n| n == c.name))
+            .copied()
+            .collect(),
+    };
+    for c in &cases {
         for &dt in c.dtypes.iter().filter(|d| only_dtype.is_none_or(|o| o == **d)) {
             for r in bench_case(c, dt, only_impl.as_deref(), rounds, min_secs)? {
                 if json {

@@ -5,7 +5,12 @@ the Rust benchmark, and prints torch_ms / ours_ms per case (> 1 means we are fas
 Setup (a venv outside the repo):
     python3 -m venv /tmp/venv && /tmp/venv/bin/pip install torch safetensors numpy
     cargo build --release --example bench
-    /tmp/venv/bin/python scripts/bench_vs_torch.py [--case NAME] [--dtype f32|bf16|f16] [--rounds 5] [--min-secs 1]
+    /tmp/venv/bin/python scripts/bench_vs_torch.py [--case NAME | --shape B,Hq,Hkv,L,S,D[,causal|causal_br]] [--dtype f32|bf16|f16] [--rounds 5] [--min-secs 1]
+
+`--shape` runs one SDPA case of any shape instead of the named ones, as `bench --shape`
+does: `causal` is PyTorch's `is_causal` (top-left), `causal_br` the bottom-right rule
+(query i sees keys up to i + S - L), which PyTorch runs as a boolean `attn_mask`
+(`torch.ones(L, S).tril(S - L)`), as Hugging Face models pass it.
 
 Timing rule (the same as the Rust side): after a warm-up, `rounds` timings, each running
 whole calls for at least `min-secs`; the figure is the median time per call. PyTorch runs
@@ -66,6 +71,21 @@ THP_CASES = {"decode_gqa_cache", "decode_b4_cache"}
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
+def parse_shape(spec):
+    """`B,Hq,Hkv,L,S,D[,causal|causal_br]` as a `CASES` entry and its name, which is
+    the name `bench --shape` gives the case."""
+    parts = spec.split(",")
+    if len(parts) not in (6, 7):
+        sys.exit(f"--shape takes B,Hq,Hkv,L,S,D[,causal|causal_br], got {spec!r}")
+    b, hq, hkv, l, s, d = (int(x) for x in parts[:6])
+    rule = parts[6] if len(parts) == 7 else None
+    if rule not in (None, "causal", "causal_br"):
+        sys.exit(f"--shape {spec!r}: the rule is causal or causal_br, got {rule!r}")
+    name = f"shape_{b}_{hq}_{hkv}_{l}_{s}_{d}" + (f"_{rule}" if rule else "")
+    causal = {None: False, "causal": True, "causal_br": "causal_br"}[rule]
+    return name, (b, hq, hkv, l, s, d, causal, False, ALL)
+
+
 def time_median(fn, rounds, min_secs):
     t0 = time.perf_counter()
     fn()
@@ -98,6 +118,9 @@ def torch_case(name, dtype, rounds, min_secs):
             causal_mask = torch.full((l, s), float("-inf"), dtype=dt).triu(1)
             return time_median(lambda: eager(q, k, v, causal_mask, cap, sinks), rounds, min_secs)
         mask = None
+        if causal == "causal_br":
+            mask = torch.ones(l, s, dtype=torch.bool).tril(s - l)
+            causal = False
         if pad:
             mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
             mask[1::2, ..., s - s // 4:] = False
@@ -143,9 +166,10 @@ def torch_case_thp(name, dtype, rounds, min_secs):
     return float(out.split()[-1])
 
 
-def rust_case(name, dtype, rounds, min_secs):
+def rust_case(name, dtype, rounds, min_secs, shape=None):
+    which = ["--shape", shape] if shape else ["--case", name]
     out = subprocess.run(
-        [BIN, "--json", "--case", name, "--dtype", dtype, "--impl", "ours", "--rounds", str(rounds),
+        [BIN, "--json", *which, "--dtype", dtype, "--impl", "ours", "--rounds", str(rounds),
          "--min-secs", str(min_secs), "--no-peak"],
         check=True, capture_output=True, text=True,
     ).stdout
@@ -155,12 +179,17 @@ def rust_case(name, dtype, rounds, min_secs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case")
+    ap.add_argument("--shape")
     ap.add_argument("--dtype")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-secs", type=float, default=1.0)
     # Internal: time one case of PyTorch alone and print its seconds per call.
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.shape:
+        if args.case:
+            sys.exit("--shape and --case exclude each other")
+        args.case, CASES[args.case] = parse_shape(args.shape)
     if args.torch_only:
         torch.set_num_threads(os.cpu_count())
         print(torch_case(args.case, args.dtype, args.rounds, args.min_secs))
@@ -170,7 +199,8 @@ def main():
     torch.set_num_threads(os.cpu_count())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print_peak()
-    print(f"{'case':<18} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10} {'ours_GB/s':>9}")
+    w = max(18, len(args.case or ""))
+    print(f"{'case':<{w}} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10} {'ours_GB/s':>9}")
     for name, spec in CASES.items():
         if args.case and args.case != name:
             continue
@@ -179,11 +209,11 @@ def main():
                 continue
             timer = torch_case_thp if name in THP_CASES else torch_case
             torch_t = [timer(name, dtype, args.rounds, args.min_secs) * 1e3]
-            r = rust_case(name, dtype, args.rounds, args.min_secs)["ours"]
+            r = rust_case(name, dtype, args.rounds, args.min_secs, args.shape)["ours"]
             ours = r["ms"]
             torch_t.append(timer(name, dtype, args.rounds, args.min_secs) * 1e3)
             t = statistics.median(torch_t)
-            print(f"{name:<18} {dtype:<5} {t:>10.3f} {ours:>10.3f} {t / ours:>10.2f} {r['gbps']:>9.2f}", flush=True)
+            print(f"{name:<{w}} {dtype:<5} {t:>10.3f} {ours:>10.3f} {t / ours:>10.2f} {r['gbps']:>9.2f}", flush=True)
     print_peak()
 
 

@@ -9,5 +9,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
-cargo test --release --target aarch64-unknown-linux-gnu
+cargo test --release --no-fail-fast --target aarch64-unknown-linux-gnu
 cargo run --release --target aarch64-unknown-linux-gnu --example parity

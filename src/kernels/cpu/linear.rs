@@ -328,10 +328,18 @@ impl PackedWeight {
 
 /// Adds `bytes` to `held` if the sum stays within `budget`; whether it did.
 fn reserve(held: &AtomicUsize, bytes: usize, budget: usize) -> bool {
-    held.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
-        h.checked_add(bytes).filter(|&t| t <= budget)
-    })
-    .is_ok()
+    // A compare-exchange loop, as `fetch_update` (deprecated on nightly for `try_update`,
+    // which stable 1.95 lacks) would run it.
+    let mut h = held.load(Ordering::Relaxed);
+    loop {
+        let Some(t) = h.checked_add(bytes).filter(|&t| t <= budget) else {
+            return false;
+        };
+        match held.compare_exchange_weak(h, t, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return true,
+            Err(now) => h = now,
+        }
+    }
 }
 
 impl Drop for PackedWeight {
