@@ -208,6 +208,31 @@ fn half_precision_accumulates_in_f32() -> Result<()> {
     Ok(())
 }
 
+/// candle-nn 0.11's `softmax_last_dim` sums a row's exponentials in the row's dtype on
+/// CPU: 4096 equal bf16 scores give probabilities that sum to 16 (f16: 2). Both of our
+/// paths sum in f32, so equal scores over 4096 keys give the mean of V.
+#[test]
+fn long_half_precision_rows_sum_in_f32() -> Result<()> {
+    let s = 4096;
+    let q = Tensor::zeros((1, 2, 3, 16), DType::F32, &Device::Cpu)?;
+    let k = randn(&[1, 2, s, 16])?;
+    // Centred on 1, so that the mean is far from 0 against the tolerance.
+    let v = (randn(&[1, 2, s, 8])? + 1.0)?;
+    for (dt, tol) in [(DType::F16, 5e-3), (DType::BF16, 2e-2)] {
+        let (qh, kh, vh) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+        let want = vh
+            .to_dtype(DType::F32)?
+            .mean_keepdim(2)?
+            .broadcast_as((1, 2, 3, 8))?;
+        for backend in [Backend::Reference, Backend::Fused] {
+            let got = sdpa(&qh, &kh, &vh, &SdpaOptions::new().with_backend(backend))?;
+            let err = max_diff(&got.to_dtype(DType::F32)?, &want)?;
+            assert!(err < tol, "{dt:?} {backend:?}: {err}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_shapes_are_errors_that_name_them() -> Result<()> {
     let o = SdpaOptions::new();
