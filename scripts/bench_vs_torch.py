@@ -77,10 +77,18 @@ def parse_shape(spec):
     parts = spec.split(",")
     if len(parts) not in (6, 7):
         sys.exit(f"--shape takes B,Hq,Hkv,L,S,D[,causal|causal_br], got {spec!r}")
-    b, hq, hkv, l, s, d = (int(x) for x in parts[:6])
+    try:
+        b, hq, hkv, l, s, d = (int(x) for x in parts[:6])
+    except ValueError:
+        sys.exit(f"--shape {spec!r}: the first six fields are sizes")
     rule = parts[6] if len(parts) == 7 else None
     if rule not in (None, "causal", "causal_br"):
         sys.exit(f"--shape {spec!r}: the rule is causal or causal_br, got {rule!r}")
+    # The same checks as `bench --shape`, before PyTorch runs.
+    if min(b, hq, hkv, l, s, d) <= 0 or hq % hkv:
+        sys.exit(f"--shape {spec!r}: every size must be positive and Hkv must divide Hq")
+    if rule == "causal_br" and l > s:
+        sys.exit(f"--shape {spec!r}: causal_br needs L <= S")
     name = f"shape_{b}_{hq}_{hkv}_{l}_{s}_{d}" + (f"_{rule}" if rule else "")
     causal = {None: False, "causal": True, "causal_br": "causal_br"}[rule]
     return name, (b, hq, hkv, l, s, d, causal, False, ALL)
