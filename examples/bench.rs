@@ -1,7 +1,7 @@
 //! Times this crate's SDPA against candle's own paths, side by side in one process.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--json] [--case NAME | --shape B,Hq,Hkv,L,S,D[,causal|causal_br]] [--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S] [--no-peak | --peak-only]
+//! cargo run --release --example bench -- [--json] [--case NAME | --shape B,Hq,Hkv,L,S,D[,causal|causal_br]] [--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S] [--no-peak | --peak-only] [--inputs FILE]
 //! ```
 //!
 //! `--shape` times SDPA on random inputs of any shape instead of the named cases (see
@@ -17,6 +17,15 @@
 //! our largest value) or the bench stops with an error, so that all of them time the same
 //! attention; in f16 and bf16 the difference is printed to stderr. `decode_layer_sliding`
 //! checks its two layers itself.
+//!
+//! `--inputs FILE` (one case, one dtype) takes the case's inputs from a safetensors file
+//! instead of drawing them: `scripts/bench_vs_torch.py` writes the tensors PyTorch times
+//! and `expected`, PyTorch's output for them computed in float64. Our first output must
+//! then be within the fixtures' tolerance of the dtype
+//! ([`candle_attention::fixture::tolerance`]) of `expected`, in the fixtures' normalised
+//! error (see [`oracle_err`]), or the bench stops with an error; with `--json`, our row
+//! carries that error as `err_vs_f64`. So PyTorch and this bench are shown to time the
+//! same attention, masks and weights included, on the same data.
 //!
 //! Timing rule: after a warm-up, each implementation is timed `rounds` times (default 5),
 //! alternating between implementations, each timing running whole calls for at least
@@ -495,18 +504,75 @@ struct Row {
     gflops: f64,
     gbps: f64,
     peak_rss_mb: f64,
+    /// With `--inputs`: our output's error against PyTorch's float64 output ([`oracle_err`]).
+    err_vs_f64: Option<f64>,
+}
+
+/// Inputs of one case and dtype given by `--inputs FILE`: a safetensors file that
+/// `scripts/bench_vs_torch.py` writes, with the tensors PyTorch times (`q`, `k`, `v`,
+/// `sinks`; `x` and the four `nn.MultiheadAttention` weights for `mha_layer`, under their
+/// `state_dict` names) and `expected`, PyTorch's output computed in float64 from them.
+type Given = std::collections::HashMap<String, Tensor>;
+
+/// `max |got − expected| / max(1, max |expected|)`, the fixtures' normalised error
+/// (`candle_attention::fixture`), with a NaN or a shape mismatch counted as infinitely far.
+fn oracle_err(got: &Tensor, expected: &Tensor) -> Result<f64> {
+    if got.dims() != expected.dims() {
+        return Ok(f64::INFINITY);
+    }
+    let flat = |t: &Tensor| -> Result<Vec<f64>> { Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?) };
+    let (a, b) = (flat(got)?, flat(expected)?);
+    let (mut diff, mut top) = (0f64, 1f64);
+    for (x, y) in a.iter().zip(&b) {
+        let d = (x - y).abs();
+        if d.is_nan() {
+            return Ok(f64::INFINITY);
+        }
+        diff = diff.max(d);
+        top = top.max(y.abs());
+    }
+    Ok(diff / top)
 }
 
 fn bench_case(
     c: &Case,
     dt: DType,
     only_impl: Option<&str>,
-    rounds: usize,
-    min_secs: f64,
+    (rounds, min_secs): (usize, f64),
+    given: Option<&Given>,
 ) -> Result<Vec<Row>> {
     let dev = Device::Cpu;
     let rnd =
         |shape: &[usize]| -> Result<Tensor> { Ok(Tensor::randn(0f32, 1f32, shape, &dev)?.to_dtype(dt)?) };
+    // An input: `key` of `--inputs` where given, else a random normal draw times `scale`.
+    let take = |key: &str, shape: &[usize], scale: f64| -> Result<Tensor> {
+        let Some(given) = given else {
+            return Ok((rnd(shape)? * scale)?);
+        };
+        let Some(t) = given.get(key) else {
+            bail!("--inputs has no tensor {key:?}, which case {} needs", c.name);
+        };
+        if t.dims() != shape || t.dtype() != dt {
+            bail!(
+                "--inputs: {key:?} is {:?} {}, case {} needs {shape:?} {}",
+                t.dims(),
+                dtype_name(t.dtype()),
+                c.name,
+                dtype_name(dt)
+            );
+        }
+        Ok(t.clone())
+    };
+    if given.is_some() && c.name == "decode_layer_sliding" {
+        bail!("--inputs: decode_layer_sliding has no PyTorch side");
+    }
+    let expected = match given {
+        Some(g) => match g.get("expected") {
+            Some(t) => Some(t.clone()),
+            None => bail!("--inputs has no tensor \"expected\" (PyTorch's float64 output)"),
+        },
+        None => None,
+    };
     let scale = 1.0 / (c.d as f64).sqrt();
     let g = c.hq / c.hkv;
     let mut impls: Vec<Impl> = Vec::new();
@@ -516,7 +582,7 @@ fn bench_case(
         (flops, bytes) = decode_layer(c, dt, &rnd, &mut impls)?;
     } else if c.name == "mha_layer" {
         let e = c.hq * c.d;
-        let x = rnd(&[c.b, c.l, e])?;
+        let x = take("x", &[c.b, c.l, e], 1.0)?;
         let cfg = MultiheadAttentionConfig {
             batch_first: true,
             ..MultiheadAttentionConfig::new(e, c.hq)
@@ -524,8 +590,14 @@ fn bench_case(
         // One set of weights for both layers, scaled as PyTorch initialises them (so that
         // the scores stay of order 1 and the agreement check below is meaningful).
         let ws = (e as f64).powf(-0.5);
-        let (w_in, b_in) = ((rnd(&[3 * e, e])? * ws)?, (rnd(&[3 * e])? * ws)?);
-        let (w_out, b_out) = ((rnd(&[e, e])? * ws)?, (rnd(&[e])? * ws)?);
+        let (w_in, b_in) = (
+            take("in_proj_weight", &[3 * e, e], ws)?,
+            take("in_proj_bias", &[3 * e], ws)?,
+        );
+        let (w_out, b_out) = (
+            take("out_proj.weight", &[e, e], ws)?,
+            take("out_proj.bias", &[e], ws)?,
+        );
         let map = [
             ("in_proj_weight", w_in.clone()),
             ("in_proj_bias", b_in.clone()),
@@ -562,9 +634,9 @@ fn bench_case(
         flops = 4.0 * (c.b * c.hq * c.d) as f64 * pairs(c) + 2.0 * (c.b * c.l * e * e) as f64 * 4.0;
         bytes = (2 * c.b * c.l * e) as f64 * dt.size_in_bytes() as f64;
     } else {
-        let q = rnd(&[c.b, c.hq, c.l, c.d])?;
-        let mut k = rnd(&[c.b, c.hkv, c.s, c.d])?;
-        let mut v = rnd(&[c.b, c.hkv, c.s, c.d])?;
+        let q = take("q", &[c.b, c.hq, c.l, c.d], 1.0)?;
+        let mut k = take("k", &[c.b, c.hkv, c.s, c.d], 1.0)?;
+        let mut v = take("v", &[c.b, c.hkv, c.s, c.d], 1.0)?;
         if c.cache {
             // The buffers a model's decode loop reads: on Linux they are advised for huge
             // pages, which tensors of candle's own allocation are not.
@@ -593,7 +665,7 @@ fn bench_case(
             _ => None,
         };
         let sinks = match c.extra {
-            Extra::Sinks => Some(rnd(&[c.hq])?),
+            Extra::Sinks => Some(take("sinks", &[c.hq], 1.0)?),
             _ => None,
         };
         opts.softcap = softcap;
@@ -667,6 +739,7 @@ fn bench_case(
     let mut runnable = Vec::new();
     // Our first output, which every other implementation's first output must match.
     let mut ours_out: Option<Tensor> = None;
+    let mut err_vs_f64 = None;
     for (name, f) in impls {
         if only_impl.is_some_and(|i| i != name) {
             continue;
@@ -687,6 +760,24 @@ fn bench_case(
         // off; see `decode_layer`).
         if c.name != "decode_layer_sliding" {
             if name == "ours" {
+                if let Some(expected) = &expected {
+                    let err = oracle_err(&out, expected)?;
+                    let tol = candle_attention::fixture::tolerance(dt);
+                    eprintln!(
+                        "# {} ours {}: max |ours - PyTorch f64| / max(1, max |PyTorch f64|) = {err:.1e} (tolerance {tol:.0e})",
+                        c.name,
+                        dtype_name(dt)
+                    );
+                    if err > tol {
+                        bail!(
+                            "{} ours {}: output differs from PyTorch's float64 output by {err:.2e} \
+                             (more than the fixtures' {tol:.0e})",
+                            c.name,
+                            dtype_name(dt)
+                        );
+                    }
+                    err_vs_f64 = Some(err);
+                }
                 ours_out = Some(out);
             } else if let Some(reference) = &ours_out {
                 let err = rel_diff(&out, reference)?;
@@ -737,6 +828,7 @@ fn bench_case(
                 gflops: flops / t / 1e9,
                 gbps: bytes / t / 1e9,
                 peak_rss_mb: rss,
+                err_vs_f64: if name == "ours" { err_vs_f64 } else { None },
             }
         })
         .collect())
@@ -986,6 +1078,7 @@ fn main() -> Result<()> {
     let mut min_secs = 1.0f64;
     let mut peak = true;
     let mut shape: Option<Case> = None;
+    let mut inputs: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -998,6 +1091,7 @@ fn main() -> Result<()> {
             "--case" => only_case = args.next(),
             "--shape" => shape = Some(parse_shape(&args.next().unwrap_or_default())?),
             "--impl" => only_impl = args.next(),
+            "--inputs" => inputs = args.next(),
             "--dtype" => {
                 only_dtype = Some(match args.next().as_deref() {
                     Some("f32") => DType::F32,
@@ -1022,6 +1116,17 @@ fn main() -> Result<()> {
             );
         }
     }
+    // `--inputs` holds one case in one dtype.
+    let given = match &inputs {
+        None => None,
+        Some(_) if only_dtype.is_none() || (only_case.is_none() && shape.is_none()) => {
+            bail!("--inputs needs one case (--case or --shape) and one --dtype")
+        }
+        Some(path) => Some(
+            candle_core::safetensors::load(path, &Device::Cpu)
+                .map_err(|e| anyhow::anyhow!("--inputs {path}: {e}"))?,
+        ),
+    };
     if peak {
         report_peak("before");
     }
@@ -1041,13 +1146,14 @@ fn main() -> Result<()> {
     };
     for c in &cases {
         for &dt in c.dtypes.iter().filter(|d| only_dtype.is_none_or(|o| o == **d)) {
-            for r in bench_case(c, dt, only_impl.as_deref(), rounds, min_secs)? {
+            for r in bench_case(c, dt, only_impl.as_deref(), (rounds, min_secs), given.as_ref())? {
                 if json {
-                    println!(
-                        "{}",
-                        serde_json::json!({"case": r.case, "impl": r.imp, "dtype": dtype_name(r.dtype), "ms": r.ms,
-                            "gflops": r.gflops, "gbps": r.gbps, "peak_rss_mb": r.peak_rss_mb})
-                    );
+                    let mut row = serde_json::json!({"case": r.case, "impl": r.imp, "dtype": dtype_name(r.dtype), "ms": r.ms,
+                            "gflops": r.gflops, "gbps": r.gbps, "peak_rss_mb": r.peak_rss_mb});
+                    if let Some(err) = r.err_vs_f64 {
+                        row["err_vs_f64"] = err.into();
+                    }
+                    println!("{row}");
                 } else {
                     println!(
                         "{:<18} {:<15} {:<5} {:>10.3} {:>8.1} {:>8.2} {:>11.1}",

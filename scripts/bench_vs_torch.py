@@ -22,6 +22,17 @@ machine's f32 FMA peak and DRAM read bandwidth (`bench --peak-only`) are printed
 first case and after the last, and `ours_GB/s` (bytes of q, k, v and the output per second,
 as the Rust bench counts them) can be read against that bandwidth for the decode cases.
 
+Agreement: both sides time the same inputs. Before timing a case, the script draws its
+inputs from a seeded generator (`inputs`), computes PyTorch's output on them in the
+case's dtype and again in float64, and writes the inputs and the float64 output to a
+temporary safetensors file, which the Rust binary reads (`bench --inputs`). The Rust side
+stops with an error when our output is further from PyTorch's float64 output than the
+fixtures' tolerance of the dtype (f32 1e-5, f16 5e-3, bf16 2e-2, in the fixtures'
+normalised error `max |got - expected| / max(1, max |expected|)`); this script stops when
+PyTorch's own output in the dtype is further than that from its float64 output. A wrong
+mask, scale or weight on either side therefore stops the run instead of timing different
+work. `torch_err` and `ours_err` print the two errors.
+
 `gemma2_softcap` and `gptoss_sinks` need a logit soft-cap or attention sinks, which
 `F.scaled_dot_product_attention` does not take; PyTorch runs Hugging Face's eager attention
 for those families there (see `eager`), as transformers does on CPU.
@@ -37,10 +48,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "target", "release", "examples", "bench")
@@ -69,6 +82,9 @@ EAGER = {"gemma2_softcap": ("softcap", 50.0), "gptoss_sinks": ("sinks", None)}
 # Cases whose PyTorch side allocates with huge pages (PyTorch reads the variable once).
 THP_CASES = {"decode_gqa_cache", "decode_b4_cache"}
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# The fixtures' tolerances (`src/fixture.rs`): the Rust side holds our output to them
+# against PyTorch's float64 output, and this script PyTorch's own output.
+TOL = {"f32": 1e-5, "bf16": 2e-2, "f16": 5e-3}
 
 
 def parse_shape(spec):
@@ -108,36 +124,90 @@ def time_median(fn, rounds, min_secs):
     return statistics.median(times)
 
 
-def torch_case(name, dtype, rounds, min_secs):
-    b, hq, hkv, l, s, d, causal, pad, _ = CASES[name]
+# Seed of every case's inputs, so that the THP child process draws the same ones.
+SEED = 1234
+MHA_WEIGHTS = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+
+
+def inputs(name, dtype):
+    """The tensors PyTorch's side of `name` runs on, in `dtype`, drawn as the Rust side
+    draws its own (standard normal in f32, then converted), from a generator seeded with
+    `SEED`. For `mha_layer`: `x` and the layer's weights under their `state_dict` names,
+    PyTorch's initialisation with random biases (PyTorch initialises them to 0, which
+    would leave them unchecked)."""
+    b, hq, hkv, l, s, d, _, _, _ = CASES[name]
     dt = DT[dtype]
+    gen = torch.Generator().manual_seed(SEED)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dt)
+
+    if name == "mha_layer":
+        e = hq * d
+        torch.manual_seed(SEED)
+        mha = torch.nn.MultiheadAttention(e, hq, batch_first=True)
+        t = {k: w.detach().to(dt) for k, w in mha.state_dict().items()}
+        t["in_proj_bias"] = rnd(3 * e) * e ** -0.5
+        t["out_proj.bias"] = rnd(e) * e ** -0.5
+        t["x"] = rnd(b, l, e)
+        return t
+    t = {"q": rnd(b, hq, l, d), "k": rnd(b, hkv, s, d), "v": rnd(b, hkv, s, d)}
+    if name in EAGER and EAGER[name][0] == "sinks":
+        t["sinks"] = rnd(hq)
+    return t
+
+
+def prepare(name, t):
+    """A function of no arguments that runs PyTorch's attention for `name` on the tensors
+    `t` (of `inputs`), in their dtype."""
+    b, hq, hkv, l, s, d, causal, pad, _ = CASES[name]
+    if name == "mha_layer":
+        x = t["x"]
+        mha = torch.nn.MultiheadAttention(hq * d, hq, batch_first=True, dtype=x.dtype)
+        mha.load_state_dict({k: t[k] for k in MHA_WEIGHTS})
+        mha.eval()
+        return lambda: mha(x, x, x, need_weights=False)[0]
+    q, k, v = t["q"], t["k"], t["v"]
+    if name in EAGER:
+        kind, cap = EAGER[name]
+        causal_mask = torch.full((l, s), float("-inf"), dtype=q.dtype).triu(1)
+        sinks = t.get("sinks")
+        return lambda: eager(q, k, v, causal_mask, cap, sinks)
+    mask = None
+    if causal == "causal_br":
+        mask = torch.ones(l, s, dtype=torch.bool).tril(s - l)
+        causal = False
+    if pad:
+        mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
+        mask[1::2, ..., s - s // 4:] = False
+    gqa = hq != hkv
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+def torch_case(name, dtype, rounds, min_secs):
     with torch.inference_mode():
-        if name == "mha_layer":
-            e = hq * d
-            mha = torch.nn.MultiheadAttention(e, hq, batch_first=True).eval().to(dt)
-            x = torch.randn(b, l, e, dtype=dt)
-            return time_median(lambda: mha(x, x, x, need_weights=False), rounds, min_secs)
-        q = torch.randn(b, hq, l, d, dtype=dt)
-        k = torch.randn(b, hkv, s, d, dtype=dt)
-        v = torch.randn(b, hkv, s, d, dtype=dt)
-        if name in EAGER:
-            kind, cap = EAGER[name]
-            sinks = torch.randn(hq, dtype=dt) if kind == "sinks" else None
-            causal_mask = torch.full((l, s), float("-inf"), dtype=dt).triu(1)
-            return time_median(lambda: eager(q, k, v, causal_mask, cap, sinks), rounds, min_secs)
-        mask = None
-        if causal == "causal_br":
-            mask = torch.ones(l, s, dtype=torch.bool).tril(s - l)
-            causal = False
-        if pad:
-            mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
-            mask[1::2, ..., s - s // 4:] = False
-        gqa = hq != hkv
-        return time_median(
-            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa),
-            rounds,
-            min_secs,
-        )
+        return time_median(prepare(name, inputs(name, dtype)), rounds, min_secs)
+
+
+def normalised_err(got, expected):
+    """`max |got - expected| / max(1, max |expected|)` in float64: the fixtures' error
+    (`src/fixture.rs`), held against the same per-dtype tolerances."""
+    got, expected = got.double(), expected.double()
+    if got.shape != expected.shape or not torch.isfinite(got).all():
+        return math.inf
+    return ((got - expected).abs().max() / expected.abs().max().clamp(min=1.0)).item()
+
+
+def write_check(name, dtype, path):
+    """Writes `path` for `bench --inputs`: the case's inputs and `expected`, PyTorch's
+    output for them computed in float64 (stored as f32). Returns the error of PyTorch's
+    own output in `dtype` against it."""
+    t = inputs(name, dtype)
+    with torch.inference_mode():
+        got = prepare(name, t)()
+        expected = prepare(name, {k: x.double() for k, x in t.items()})()
+    save_file({**{k: x.contiguous() for k, x in t.items()}, "expected": expected.float().contiguous()}, path)
+    return normalised_err(got, expected)
 
 
 def eager(q, k, v, causal_mask, softcap, sinks):
@@ -174,14 +244,17 @@ def torch_case_thp(name, dtype, rounds, min_secs):
     return float(out.split()[-1])
 
 
-def rust_case(name, dtype, rounds, min_secs, shape=None):
+def rust_case(name, dtype, rounds, min_secs, shape=None, given=None):
     which = ["--shape", shape] if shape else ["--case", name]
-    out = subprocess.run(
+    extra = ["--inputs", given] if given else []
+    run = subprocess.run(
         [BIN, "--json", *which, "--dtype", dtype, "--impl", "ours", "--rounds", str(rounds),
-         "--min-secs", str(min_secs), "--no-peak"],
-        check=True, capture_output=True, text=True,
-    ).stdout
-    return {r["impl"]: r for r in map(json.loads, out.splitlines())}
+         "--min-secs", str(min_secs), "--no-peak", *extra],
+        capture_output=True, text=True,
+    )
+    if run.returncode:
+        sys.exit(f"bench failed on {name} {dtype}:\n{run.stderr.split('Stack backtrace:')[0].strip()}")
+    return {r["impl"]: r for r in map(json.loads, run.stdout.splitlines())}
 
 
 def main():
@@ -208,20 +281,29 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print_peak()
     w = max(18, len(args.case or ""))
-    print(f"{'case':<{w}} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10} {'ours_GB/s':>9}")
+    print(f"{'case':<{w}} {'dtype':<5} {'torch_ms':>10} {'ours_ms':>10} {'torch/ours':>10} {'ours_GB/s':>9}"
+          f" {'torch_err':>9} {'ours_err':>9}")
+    tmp = tempfile.TemporaryDirectory(prefix="bench_vs_torch")
     for name, spec in CASES.items():
         if args.case and args.case != name:
             continue
         for dtype in spec[8]:
             if args.dtype and args.dtype != dtype:
                 continue
+            given = os.path.join(tmp.name, f"{name}_{dtype}.safetensors")
+            torch_err = write_check(name, dtype, given)
+            if torch_err > TOL[dtype]:
+                sys.exit(f"{name} {dtype}: PyTorch's output is {torch_err:.2e} from its own float64 output, "
+                         f"more than the {dtype} tolerance {TOL[dtype]:.0e}")
             timer = torch_case_thp if name in THP_CASES else torch_case
             torch_t = [timer(name, dtype, args.rounds, args.min_secs) * 1e3]
-            r = rust_case(name, dtype, args.rounds, args.min_secs, args.shape)["ours"]
+            r = rust_case(name, dtype, args.rounds, args.min_secs, args.shape, given)["ours"]
+            os.remove(given)
             ours = r["ms"]
             torch_t.append(timer(name, dtype, args.rounds, args.min_secs) * 1e3)
             t = statistics.median(torch_t)
-            print(f"{name:<{w}} {dtype:<5} {t:>10.3f} {ours:>10.3f} {t / ours:>10.2f} {r['gbps']:>9.2f}", flush=True)
+            print(f"{name:<{w}} {dtype:<5} {t:>10.3f} {ours:>10.3f} {t / ours:>10.2f} {r['gbps']:>9.2f}"
+                  f" {torch_err:>9.1e} {r['err_vs_f64']:>9.1e}", flush=True)
     print_peak()
 
 
