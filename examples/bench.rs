@@ -23,7 +23,7 @@
 //! and `expected`, PyTorch's output for them computed in float64. Our first output must
 //! then be within the fixtures' tolerance of the dtype
 //! ([`candle_attention::fixture::tolerance`]) of `expected`, in the fixtures' normalised
-//! error (see [`oracle_err`]), or the bench stops with an error; with `--json`, our row
+//! error (see [`rel_err`]), or the bench stops with an error; with `--json`, our row
 //! carries that error as `err_vs_f64`. So PyTorch and this bench are shown to time the
 //! same attention, masks and weights included, on the same data.
 //!
@@ -219,24 +219,25 @@ fn kv_offset(c: &Case) -> usize {
 /// every dtype.
 const AGREE_F32: f64 = 1e-3;
 
-/// `max |a − b| / max |b|` over all elements, in f32 (a NaN or a shape mismatch counts
-/// as infinitely far).
-fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    if a.dims() != b.dims() {
+/// `max |got − reference| / max(floor, max |reference|)` over all elements, in f64 (a NaN
+/// or a shape mismatch counts as infinitely far). With `floor` 1 it is the fixtures'
+/// normalised error (`candle_attention::fixture`).
+fn rel_err(got: &Tensor, reference: &Tensor, floor: f64) -> Result<f64> {
+    if got.dims() != reference.dims() {
         return Ok(f64::INFINITY);
     }
-    let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?) };
-    let (a, b) = (flat(a)?, flat(b)?);
-    let (mut diff, mut top) = (0f64, 0f64);
+    let flat = |t: &Tensor| -> Result<Vec<f64>> { Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?) };
+    let (a, b) = (flat(got)?, flat(reference)?);
+    let (mut diff, mut top) = (0f64, floor);
     for (x, y) in a.iter().zip(&b) {
-        let d = f64::from((x - y).abs());
+        let d = (x - y).abs();
         if d.is_nan() {
             return Ok(f64::INFINITY);
         }
         diff = diff.max(d);
-        top = top.max(f64::from(y.abs()));
+        top = top.max(y.abs());
     }
-    Ok(diff / top.max(f64::MIN_POSITIVE))
+    Ok(diff / top)
 }
 
 fn rss_kb(field: &str) -> Option<u64> {
@@ -504,7 +505,8 @@ struct Row {
     gflops: f64,
     gbps: f64,
     peak_rss_mb: f64,
-    /// With `--inputs`: our output's error against PyTorch's float64 output ([`oracle_err`]).
+    /// With `--inputs`: our output's error against PyTorch's float64 output (the fixtures'
+    /// normalised error, [`rel_err`] with floor 1).
     err_vs_f64: Option<f64>,
 }
 
@@ -513,26 +515,6 @@ struct Row {
 /// `sinks`; `x` and the four `nn.MultiheadAttention` weights for `mha_layer`, under their
 /// `state_dict` names) and `expected`, PyTorch's output computed in float64 from them.
 type Given = std::collections::HashMap<String, Tensor>;
-
-/// `max |got − expected| / max(1, max |expected|)`, the fixtures' normalised error
-/// (`candle_attention::fixture`), with a NaN or a shape mismatch counted as infinitely far.
-fn oracle_err(got: &Tensor, expected: &Tensor) -> Result<f64> {
-    if got.dims() != expected.dims() {
-        return Ok(f64::INFINITY);
-    }
-    let flat = |t: &Tensor| -> Result<Vec<f64>> { Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?) };
-    let (a, b) = (flat(got)?, flat(expected)?);
-    let (mut diff, mut top) = (0f64, 1f64);
-    for (x, y) in a.iter().zip(&b) {
-        let d = (x - y).abs();
-        if d.is_nan() {
-            return Ok(f64::INFINITY);
-        }
-        diff = diff.max(d);
-        top = top.max(y.abs());
-    }
-    Ok(diff / top)
-}
 
 fn bench_case(
     c: &Case,
@@ -761,7 +743,7 @@ fn bench_case(
         if c.name != "decode_layer_sliding" {
             if name == "ours" {
                 if let Some(expected) = &expected {
-                    let err = oracle_err(&out, expected)?;
+                    let err = rel_err(&out, expected, 1.0)?;
                     let tol = candle_attention::fixture::tolerance(dt);
                     eprintln!(
                         "# {} ours {}: max |ours - PyTorch f64| / max(1, max |PyTorch f64|) = {err:.1e} (tolerance {tol:.0e})",
@@ -780,7 +762,7 @@ fn bench_case(
                 }
                 ours_out = Some(out);
             } else if let Some(reference) = &ours_out {
-                let err = rel_diff(&out, reference)?;
+                let err = rel_err(&out, reference, f64::MIN_POSITIVE)?;
                 eprintln!(
                     "# {} {} {}: max |out - ours| / max |ours| = {err:.1e}",
                     c.name,
