@@ -169,7 +169,7 @@ def prepare(name, t):
         return lambda: mha(x, x, x, need_weights=False)[0]
     q, k, v = t["q"], t["k"], t["v"]
     if name in EAGER:
-        kind, cap = EAGER[name]
+        _, cap = EAGER[name]
         causal_mask = torch.full((l, s), float("-inf"), dtype=q.dtype).triu(1)
         sinks = t.get("sinks")
         return lambda: eager(q, k, v, causal_mask, cap, sinks)
