@@ -22,8 +22,8 @@
 //! instead of drawing them: `scripts/bench_vs_torch.py` writes the tensors PyTorch times
 //! and `expected`, PyTorch's output for them computed in float64. Our first output must
 //! then be within the fixtures' tolerance of the dtype
-//! ([`candle_attention::fixture::tolerance`]) of `expected`, in the fixtures' normalised
-//! error (see [`rel_err`]), or the bench stops with an error; with `--json`, our row
+//! ([`fixture::tolerance`]) of `expected`, in the fixtures' normalised error
+//! ([`fixture::normalised_error`]), or the bench stops with an error; with `--json`, our row
 //! carries that error as `err_vs_f64`. So PyTorch and this bench are shown to time the
 //! same attention, masks and weights included, on the same data.
 //!
@@ -68,7 +68,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use candle_attention::{
-    sdpa, AttnMask, KvCache, MhaArgs, MultiheadAttention, MultiheadAttentionConfig, SdpaOptions,
+    fixture, sdpa, AttnMask, KvCache, MhaArgs, MultiheadAttention, MultiheadAttentionConfig, SdpaOptions,
 };
 use candle_core::{DType, Device, Module, Tensor};
 
@@ -219,16 +219,15 @@ fn kv_offset(c: &Case) -> usize {
 /// every dtype.
 const AGREE_F32: f64 = 1e-3;
 
-/// `max |got − reference| / max(floor, max |reference|)` over all elements, in f64 (a NaN
-/// or a shape mismatch counts as infinitely far). With `floor` 1 it is the fixtures'
-/// normalised error (`candle_attention::fixture`).
-fn rel_err(got: &Tensor, reference: &Tensor, floor: f64) -> Result<f64> {
+/// `max |got − reference| / max |reference|` over all elements, in f64 (a NaN or a
+/// shape mismatch counts as infinitely far).
+fn rel_diff(got: &Tensor, reference: &Tensor) -> Result<f64> {
     if got.dims() != reference.dims() {
         return Ok(f64::INFINITY);
     }
     let flat = |t: &Tensor| -> Result<Vec<f64>> { Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?) };
     let (a, b) = (flat(got)?, flat(reference)?);
-    let (mut diff, mut top) = (0f64, floor);
+    let (mut diff, mut top) = (0f64, f64::MIN_POSITIVE);
     for (x, y) in a.iter().zip(&b) {
         let d = (x - y).abs();
         if d.is_nan() {
@@ -505,8 +504,8 @@ struct Row {
     gflops: f64,
     gbps: f64,
     peak_rss_mb: f64,
-    /// With `--inputs`: our output's error against PyTorch's float64 output (the fixtures'
-    /// normalised error, [`rel_err`] with floor 1).
+    /// With `--inputs`: our output's error against PyTorch's float64 output
+    /// ([`fixture::normalised_error`]).
     err_vs_f64: Option<f64>,
 }
 
@@ -743,8 +742,8 @@ fn bench_case(
         if c.name != "decode_layer_sliding" {
             if name == "ours" {
                 if let Some(expected) = &expected {
-                    let err = rel_err(&out, expected, 1.0)?;
-                    let tol = candle_attention::fixture::tolerance(dt);
+                    let err = fixture::normalised_error(&out, expected)?;
+                    let tol = fixture::tolerance(dt);
                     eprintln!(
                         "# {} ours {}: max |ours - PyTorch f64| / max(1, max |PyTorch f64|) = {err:.1e} (tolerance {tol:.0e})",
                         c.name,
@@ -762,7 +761,7 @@ fn bench_case(
                 }
                 ours_out = Some(out);
             } else if let Some(reference) = &ours_out {
-                let err = rel_err(&out, reference, f64::MIN_POSITIVE)?;
+                let err = rel_diff(&out, reference)?;
                 eprintln!(
                     "# {} {} {}: max |out - ours| / max |ours| = {err:.1e}",
                     c.name,

@@ -258,8 +258,57 @@ impl Fixture {
     }
 }
 
-/// `(max abs error, max abs error / max(1, max|expected|))`; NaN anywhere counts as infinite.
-/// With `rows` `(B, L)`, only the `(b, l, …)` entries whose row value is non-zero count.
+/// The normalised error that [`tolerance`] is held against:
+/// `max|got − expected| / max(1, max|expected|)` over every element, in f64. A NaN
+/// difference (a NaN on either side, or equal infinities) counts as infinite, and
+/// non-finite expected values do not raise the scale. `got` and `expected` must have the
+/// same shape (any shape; the dtypes may differ).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_attention::fixture::normalised_error;
+///
+/// let expected = Tensor::new(&[[4.0f32, -2.0], [0.5, 1.0]], &Device::Cpu)?;
+/// let got = Tensor::new(&[[4.0f32, -2.0], [0.5, 1.2]], &Device::Cpu)?;
+/// // max |difference| 0.2, scaled by the largest |expected| value, 4.
+/// assert!((normalised_error(&got, &expected)? - 0.05).abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn normalised_error(got: &Tensor, expected: &Tensor) -> Result<f64> {
+    if got.dims() != expected.dims() {
+        candle::bail!(
+            "normalised_error: got has shape {:?} but expected has shape {:?}",
+            got.dims(),
+            expected.dims()
+        )
+    }
+    Ok(errors(&flat_f64(got)?, &flat_f64(expected)?, None).1)
+}
+
+fn flat_f64(t: &Tensor) -> Result<Vec<f64>> {
+    t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()
+}
+
+/// `(max abs error, max abs error / max(1, max|expected|))` over the elements where
+/// `keep` is true (every element without it), as [`normalised_error`] defines them.
+fn errors(got: &[f64], expected: &[f64], keep: Option<&[bool]>) -> (f64, f64) {
+    let mut max_abs = 0f64;
+    let mut scale = 1f64;
+    for (i, (&g, &e)) in got.iter().zip(expected).enumerate() {
+        if keep.is_some_and(|k| !k[i]) {
+            continue;
+        }
+        let d = (g - e).abs();
+        max_abs = if d.is_nan() { f64::INFINITY } else { max_abs.max(d) };
+        if e.is_finite() {
+            scale = scale.max(e.abs());
+        }
+    }
+    (max_abs, max_abs / scale)
+}
+
+/// [`errors`] of a fixture output. With `rows` `(B, L)`, only the `(b, l, …)` entries
+/// whose row value is non-zero count.
 fn compare(
     name: &str,
     key: &str,
@@ -274,10 +323,10 @@ fn compare(
             got.dims()
         )
     }
-    let g = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-    let e = expected.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-    let keep: Vec<bool> = match rows {
-        None => vec![true; g.len()],
+    let g = flat_f64(got)?;
+    let e = flat_f64(expected)?;
+    let keep: Option<Vec<bool>> = match rows {
+        None => None,
         Some(r) => {
             let r = r.to_dtype(DType::U8)?.flatten_all()?.to_vec1::<u8>()?;
             if r.is_empty() || g.len() % r.len() != 0 {
@@ -288,19 +337,10 @@ fn compare(
                 )
             }
             let per = g.len() / r.len();
-            (0..g.len()).map(|i| r[i / per] != 0).collect()
+            Some((0..g.len()).map(|i| r[i / per] != 0).collect())
         }
     };
-    let mut max_abs = 0f64;
-    let mut scale = 1f64;
-    for ((&g, &e), _) in g.iter().zip(e.iter()).zip(&keep).filter(|(_, &k)| k) {
-        let d = (g - e).abs();
-        max_abs = if d.is_nan() { f64::INFINITY } else { max_abs.max(d) };
-        if e.is_finite() {
-            scale = scale.max(e.abs());
-        }
-    }
-    Ok((max_abs, max_abs / scale))
+    Ok(errors(&g, &e, keep.as_deref()))
 }
 
 struct Ctx<'a> {

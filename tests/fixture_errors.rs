@@ -2,7 +2,7 @@
 mod common;
 use std::collections::HashMap;
 
-use candle_attention::fixture::{fixture_paths, Fixture, RunOptions, FORMAT};
+use candle_attention::fixture::{fixture_paths, normalised_error, Fixture, RunOptions, FORMAT};
 use candle_core::{Device, Result, Tensor};
 use common::{err_msg, randn};
 
@@ -90,5 +90,30 @@ fn a_wrong_output_shape_is_an_error() -> Result<()> {
         msg.contains("[1, 2, 3, 5]") && msg.contains("[1, 2, 3, 4]"),
         "{msg}"
     );
+    Ok(())
+}
+
+#[test]
+fn normalised_error_refuses_shapes_that_differ() -> Result<()> {
+    let (a, b) = (randn(&[2, 3])?, randn(&[3, 2])?);
+    let msg = err_msg(normalised_error(&a, &b));
+    assert!(msg.contains("[2, 3]") && msg.contains("[3, 2]"), "{msg}");
+    Ok(())
+}
+
+#[test]
+fn normalised_error_scales_by_the_largest_expected_value_and_counts_nan_as_infinite() -> Result<()> {
+    let dev = Device::Cpu;
+    let t = |v: &[f32]| Tensor::new(v, &dev);
+    // Scale max(1, 4): 0.4 / 4.
+    let e = normalised_error(&t(&[4.0, -2.0, 1.4])?, &t(&[4.0, -2.0, 1.0])?)?;
+    assert!((e - 0.1).abs() < 1e-6, "{e}");
+    // Expected values below 1 do not shrink the scale: 0.25 / 1.
+    let e = normalised_error(&t(&[0.5, 0.25])?, &t(&[0.5, 0.0])?)?;
+    assert!((e - 0.25).abs() < 1e-12, "{e}");
+    for bad in [f32::NAN, f32::INFINITY] {
+        let e = normalised_error(&t(&[1.0, bad])?, &t(&[1.0, 2.0])?)?;
+        assert_eq!(e, f64::INFINITY);
+    }
     Ok(())
 }

@@ -83,20 +83,9 @@ pub fn tol(dt: DType) -> f64 {
     }
 }
 
-/// `max|a − b| / max(1, max|b|)`, infinite if `a` or `b` holds a NaN or an infinity
-/// (the outputs compared here are always finite). Computed element by element, because
-/// candle's `max` skips NaN.
-pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-    let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-    if a.iter().chain(&b).any(|x| !x.is_finite()) {
-        return Ok(f64::INFINITY);
-    }
-    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-    let m = b.iter().fold(1f64, |m, x| m.max(x.abs()));
-    Ok(d / m)
-}
+/// `max|a − b| / max(1, max|b|)` in f64, infinite where a difference is NaN (a NaN or
+/// an infinity on either side): the fixtures' normalised error.
+pub use candle_attention::fixture::normalised_error as rel_err;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {

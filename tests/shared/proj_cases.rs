@@ -9,21 +9,11 @@
 //! the second keeps the pack and uses it. Used by `tests/proj.rs` and, with the AVX2
 //! kernel forced, by `tests/kernel_avx2.rs`.
 use candle_attention::Proj;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 
-/// `max|a − b| / max(1, max|b|)`, infinite if either holds a NaN or an infinity.
-/// Computed element by element, because candle's `max` skips NaN.
-pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    if a.iter().chain(&b).any(|x| !x.is_finite()) {
-        return Ok(f32::INFINITY);
-    }
-    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
-    let m = b.iter().fold(1f32, |m, x| m.max(x.abs()));
-    Ok(d / m)
-}
+/// `max|a − b| / max(1, max|b|)` in f64, infinite where a difference is NaN (a NaN or
+/// an infinity on either side): the fixtures' normalised error.
+pub use candle_attention::fixture::normalised_error as rel_err;
 
 /// Runs every case (each asserts); returns the number of products compared.
 pub fn projections_match_matmul() -> Result<usize> {
