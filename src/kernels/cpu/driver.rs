@@ -1640,7 +1640,7 @@ fn online_rows(
         }
     }
     // AVX-512: all rows in one call, each kept in registers, rescaled lazily
-    // (`avx512::online_rows_lazy`). Measured, alternating binaries: see the README.
+    // (`avx512::online_rows_lazy`). Measured, alternating binaries: see `NOTES.md`.
     #[cfg(target_arch = "x86_64")]
     if p.isa == Isa::Avx512 {
         // Callers pass one key block or a pair of them.
@@ -1662,7 +1662,7 @@ fn online_rows(
         return;
     }
     // AVX2: all rows of one block in one call, each read into registers
-    // (`avx2::online_rows_block`). Measured, alternating binaries: see the README.
+    // (`avx2::online_rows_block`). Measured, alternating binaries: see `NOTES.md`.
     #[cfg(target_arch = "x86_64")]
     if p.isa == Isa::Avx2Fma && nk <= BK {
         // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`; every range

@@ -70,6 +70,9 @@
 //!   transparent huge pages on Linux before they are written (`pages`): glibc maps such
 //!   allocations afresh on every call, and faulting them in 4 KiB at a time took about 5%
 //!   of the thread time of `gpt2k_causal_d128` (its calls ran 2.6% faster with the advice).
+//!
+//! `NOTES.md`, beside this file, records the measurements behind these choices, what was
+//! tried and not kept, and the benchmark tables of earlier runs and machines.
 
 use candle::{CpuStorage, DType, Layout, Result, Storage, Tensor};
 
