@@ -327,12 +327,12 @@ fn compare(
     let e = flat_f64(expected)?;
     let keep: Option<Vec<bool>> = match rows {
         None => None,
-        Some(r) => {
-            let r = r.to_dtype(DType::U8)?.flatten_all()?.to_vec1::<u8>()?;
+        Some(mask) => {
+            let r = mask.to_dtype(DType::U8)?.flatten_all()?.to_vec1::<u8>()?;
             if r.is_empty() || g.len() % r.len() != 0 {
                 candle::bail!(
                     "fixture '{name}': row mask {:?} does not fit '{key}' {:?}",
-                    rows.map(|t| t.dims()),
+                    mask.dims(),
                     got.dims()
                 )
             }
@@ -419,24 +419,27 @@ impl Ctx<'_> {
         }
     }
 
+    /// `v[key]` as a number; absent or null gives `None`.
+    fn number(&self, v: &Value, key: &str) -> Result<Option<f64>> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => match x.as_f64() {
+                Some(n) => Ok(Some(n)),
+                None => candle::bail!("fixture '{}': {key} must be a number, got {x}", self.fx.name),
+            },
+        }
+    }
+
     fn run_sdpa(&self) -> Result<Outputs> {
         let cfg = &self.fx.config;
-        let dropout = cfg.get("dropout_p").and_then(Value::as_f64).unwrap_or(0.0);
+        let dropout = self.number(cfg, "dropout_p")?.unwrap_or(0.0);
         if dropout != 0.0 {
             candle::bail!(
                 "fixture '{}': dropout_p = {dropout} is not supported (inference only)",
                 self.fx.name
             )
         }
-        let scale = match cfg.get("scale") {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(v.as_f64().ok_or_else(|| {
-                candle::Error::Msg(format!(
-                    "fixture '{}': scale must be a number, got {v}",
-                    self.fx.name
-                ))
-            })?),
-        };
+        let scale = self.number(cfg, "scale")?;
         let mask = match self.opt_input("attn_mask")? {
             None => None,
             Some(m) if m.dtype().is_float() => Some(AttnMask::additive(&m)?),

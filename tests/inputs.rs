@@ -4,7 +4,7 @@ mod common;
 use std::collections::HashMap;
 
 use candle_attention::alibi::alibi_bias;
-use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, QkvLayout};
+use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, HfConfig, QkvLayout};
 use candle_attention::{KvCache, Proj, RopeConfig, RopeScaling, RopeStyle, RotaryEmbedding};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -172,5 +172,290 @@ fn a_projection_of_no_input_features_gives_the_bias() -> Result<()> {
     let p = Proj::new(Tensor::zeros((3, 0), DType::F32, &dev)?, Some(bias));
     let y = p.forward(&Tensor::zeros((2, 0), DType::F32, &dev)?)?;
     assert_eq!(y.to_vec2::<f32>()?, [[1., 2., 3.], [1., 2., 3.]]);
+    Ok(())
+}
+
+/// A self- or cross-attention layer of width 4 with one head of size 4, no rope.
+fn tiny(layout: QkvLayout, cross_attention: bool) -> DecoderAttentionConfig {
+    DecoderAttentionConfig {
+        hidden_size: 4,
+        num_heads: 1,
+        num_kv_heads: 1,
+        head_dim: 4,
+        layout,
+        qk_norm: None,
+        rope: None,
+        alibi: false,
+        softcap: None,
+        sinks: false,
+        sliding_window: None,
+        bidirectional: false,
+        scale: 0.5,
+        cross_attention,
+        max_position_embeddings: None,
+    }
+}
+
+/// `cfg`'s layer with every weight 0.
+fn zero_layer(cfg: &DecoderAttentionConfig) -> Result<DecoderAttention> {
+    DecoderAttention::new(cfg, VarBuilder::zeros(DType::F32, &Device::Cpu))
+}
+
+/// Layer `layer_idx` of `arch` from the config.json text `json`.
+fn from_hf(arch: &str, json: &str, layer_idx: usize) -> Result<DecoderAttentionConfig> {
+    DecoderAttentionConfig::from_hf(arch, &HfConfig::from_json(json)?, layer_idx, false)
+}
+
+/// A rotating cache with a window of 0 tokens.
+#[test]
+fn rotating_cache_of_no_tokens_is_refused() {
+    let msg = err_msg(KvCache::rotating(0));
+    assert!(msg.contains("window of at least 1 token"), "{msg}");
+}
+
+/// Keys and values of different lengths (or batches, or heads) in one append.
+#[test]
+fn kv_cache_refuses_keys_and_values_that_disagree() -> Result<()> {
+    let k = randn(&[1, 1, 2, 4])?;
+    for v in [
+        randn(&[1, 1, 3, 4])?,
+        randn(&[2, 1, 2, 4])?,
+        randn(&[1, 2, 2, 4])?,
+    ] {
+        let msg = err_msg(KvCache::new().append(&k, &v));
+        let want = format!("keys [1, 1, 2, 4] and values {:?} disagree", v.dims());
+        assert!(msg.contains(&want), "{msg}");
+    }
+    Ok(())
+}
+
+/// A config.json with `num_attention_heads: 0`.
+#[test]
+fn hf_config_of_zero_attention_heads_is_refused() {
+    let msg = err_msg(from_hf(
+        "llama",
+        r#"{"hidden_size": 8, "num_attention_heads": 0}"#,
+        0,
+    ));
+    assert!(
+        msg.contains("llama config: num_attention_heads must be positive"),
+        "{msg}"
+    );
+}
+
+/// A config.json without `head_dim` whose hidden_size is not a multiple of the heads.
+#[test]
+fn hf_config_of_hidden_size_not_divisible_by_heads_is_refused() {
+    let msg = err_msg(from_hf(
+        "llama",
+        r#"{"hidden_size": 10, "num_attention_heads": 4}"#,
+        0,
+    ));
+    assert!(
+        msg.contains("hidden_size 10 is not divisible by num_attention_heads 4"),
+        "{msg}"
+    );
+}
+
+/// A layer index past the end of config.json's `layer_types`.
+#[test]
+fn hf_config_layer_past_layer_types_is_refused() -> Result<()> {
+    let json = r#"{"hidden_size": 8, "num_attention_heads": 2,
+        "layer_types": ["full_attention", "sliding_attention"]}"#;
+    from_hf("qwen2", json, 1)?;
+    let msg = err_msg(from_hf("qwen2", json, 2));
+    assert!(
+        msg.contains("qwen2 config: layer_types has no entry for layer 2"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+/// GPT-2's Conv1D-packed QKV with fewer key/value heads than query heads.
+#[test]
+fn conv1d_packed_qkv_with_fewer_kv_heads_is_refused() -> Result<()> {
+    let cfg = from_hf(
+        "gpt2",
+        r#"{"n_embd": 8, "n_head": 2, "num_key_value_heads": 1}"#,
+        0,
+    )?;
+    let msg = err_msg(zero_layer(&cfg));
+    assert!(
+        msg.contains("Conv1D-packed QKV needs num_kv_heads == num_heads, got 1 and 2"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+/// BLOOM's head-interleaved QKV with fewer key/value heads than query heads.
+#[test]
+fn head_interleaved_qkv_with_fewer_kv_heads_is_refused() -> Result<()> {
+    let cfg = from_hf(
+        "bloom",
+        r#"{"hidden_size": 8, "n_head": 2, "num_key_value_heads": 1}"#,
+        0,
+    )?;
+    let msg = err_msg(zero_layer(&cfg));
+    assert!(
+        msg.contains("head-interleaved QKV needs num_kv_heads == num_heads, got 1 and 2"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+/// Hidden or encoder states that are not `(B, L, hidden)` tensors of rank 3.
+#[test]
+fn hidden_states_of_another_rank_are_refused() -> Result<()> {
+    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), false))?;
+    let msg = err_msg(layer.forward(&randn(&[2, 4])?));
+    assert!(
+        msg.contains("hidden_states must be (B, L, hidden), got [2, 4]"),
+        "{msg}"
+    );
+    let cross = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), true))?;
+    let x = randn(&[1, 2, 4])?;
+    let msg = err_msg(cross.forward_cross(&x, Some(&randn(&[1, 1, 3, 4])?), None));
+    assert!(
+        msg.contains("encoder_hidden_states must be (B, L, hidden), got [1, 1, 3, 4]"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+/// Float position ids: positions are indices, as in PyTorch.
+#[test]
+fn layer_refuses_float_position_ids() -> Result<()> {
+    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), false))?;
+    let pos = Tensor::new(&[[0f32, 1.0]], &Device::Cpu)?;
+    let msg = err_msg(layer.forward_cached(&randn(&[1, 2, 4])?, &pos, None, None));
+    assert!(msg.contains("position_ids must be integers, got F32"), "{msg}");
+    Ok(())
+}
+
+/// Self-attention (`forward`, `forward_cached`) on a cross-attention layer.
+#[test]
+fn cross_attention_layer_refuses_self_attention() -> Result<()> {
+    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), true))?;
+    let x = randn(&[1, 2, 4])?;
+    let msg = err_msg(layer.forward(&x));
+    assert!(msg.contains("cross-attention layer; use forward_cross"), "{msg}");
+    let pos = Tensor::new(&[[0i64, 1]], &Device::Cpu)?;
+    let msg = err_msg(layer.forward_cached(&x, &pos, None, Some(&mut KvCache::new())));
+    assert!(msg.contains("cross-attention layer; use forward_cross"), "{msg}");
+    Ok(())
+}
+
+/// A first cross-attention call (no cache, or an empty one) without encoder states.
+#[test]
+fn first_cross_attention_call_without_encoder_states_is_refused() -> Result<()> {
+    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), true))?;
+    let x = randn(&[1, 2, 4])?;
+    for cache in [None, Some(&mut KvCache::new())] {
+        let msg = err_msg(layer.forward_cross(&x, None, cache));
+        assert!(
+            msg.contains("needs encoder_hidden_states on its first call"),
+            "{msg}"
+        );
+    }
+    Ok(())
+}
+
+/// Encoder states of another batch size than the decoder's hidden states.
+#[test]
+fn encoder_states_of_another_batch_are_refused() -> Result<()> {
+    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), true))?;
+    let msg = err_msg(layer.forward_cross(&randn(&[1, 2, 4])?, Some(&randn(&[2, 3, 4])?), None));
+    assert!(
+        msg.contains("encoder_hidden_states [2, 3, 4] and hidden_states [1, 2, 4] disagree on the batch"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+/// Cross-attention with packed QKV projections, whose keys cannot be computed apart.
+#[test]
+fn cross_attention_with_packed_projections_is_refused() -> Result<()> {
+    let (qkv, o) = (String::from("qkv"), String::from("o"));
+    let layouts = [
+        QkvLayout::Packed {
+            qkv: qkv.clone(),
+            o: o.clone(),
+            qkv_bias: false,
+            o_bias: false,
+        },
+        QkvLayout::Conv1dPacked {
+            qkv: qkv.clone(),
+            o: o.clone(),
+        },
+        QkvLayout::HeadInterleaved { qkv, o, bias: false },
+    ];
+    let x = randn(&[1, 2, 4])?;
+    for layout in layouts {
+        let layer = zero_layer(&tiny(layout.clone(), true))?;
+        let msg = err_msg(layer.forward_cross(&x, Some(&x), None));
+        assert!(
+            msg.contains("cross-attention needs separate q/k/v projections"),
+            "{layout:?}: {msg}"
+        );
+    }
+    Ok(())
+}
+
+/// A llama3 rope whose high_freq_factor is not above its low_freq_factor.
+#[test]
+fn llama3_rope_needs_high_freq_factor_above_low_freq_factor() {
+    for (low, high) in [(4.0, 1.0), (2.0, 2.0)] {
+        let scaling = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position_embeddings: 64.0,
+        };
+        let msg = err_msg(rope(scaling, 1e4));
+        assert!(
+            msg.contains(&format!(
+                "high_freq_factor > low_freq_factor, got {high} and {low}"
+            )),
+            "{msg}"
+        );
+    }
+}
+
+/// Position ids that are not a `(B, L)` matrix.
+#[test]
+fn rope_refuses_position_ids_of_another_rank() -> Result<()> {
+    let r = rope(RopeScaling::Default, 1e4)?;
+    let pos = Tensor::new(&[0i64, 1, 2], &Device::Cpu)?;
+    let msg = err_msg(r.cos_sin(&pos, DType::F32));
+    assert!(
+        msg.contains("rope: position_ids must be (B, L), got [3]"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+/// Float position ids given to the rope directly.
+#[test]
+fn rope_refuses_float_position_ids() -> Result<()> {
+    let r = rope(RopeScaling::Default, 1e4)?;
+    let pos = Tensor::new(&[[0f32, 1.0, 2.0]], &Device::Cpu)?;
+    let msg = err_msg(r.cos_sin(&pos, DType::F32));
+    assert!(
+        msg.contains("rope: position_ids must be integers, got F32"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+/// Heads of another size than the rope's head_dim, even with tables of the right shape.
+#[test]
+fn rope_refuses_heads_of_another_size() -> Result<()> {
+    let r = rope(RopeScaling::Default, 1e4)?;
+    let (cos, sin) = r.cos_sin(&Tensor::new(&[[0i64, 1]], &Device::Cpu)?, DType::F32)?;
+    let msg = err_msg(r.apply(&randn(&[1, 1, 2, 10])?, &cos, &sin));
+    assert!(
+        msg.contains("expected heads of size 8, got x [1, 1, 2, 10]"),
+        "{msg}"
+    );
     Ok(())
 }

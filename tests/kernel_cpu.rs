@@ -1,8 +1,10 @@
 //! The fused CPU kernel called directly, on every instruction set this machine supports,
 //! against a naive candle reference (including its error paths).
 
+mod common;
 use candle_attention::kernels::cpu::{sdpa, sdpa_with, sdpa_with_isa, Causal, Extras, Isa};
 use candle_core::{DType, Device, Result, Tensor, D};
+use common::err_msg;
 
 /// Deterministic xorshift generator.
 struct Rng(u64);
@@ -560,6 +562,57 @@ fn invalid_inputs_error() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// An instruction set the running machine lacks, chosen without the crate's own detection:
+/// one of another architecture first (its kernel is not even compiled in), else a missing
+/// x86-64 extension; `None` only on a machine that has them all.
+fn missing_isa() -> Option<Isa> {
+    #[cfg(target_arch = "x86_64")]
+    let lacks = |isa: Isa| match isa {
+        Isa::Avx512 => {
+            !(std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512dq"))
+        }
+        Isa::Avx2Fma => {
+            !(std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c"))
+        }
+        Isa::Neon => true,
+        Isa::Portable => false,
+    };
+    #[cfg(target_arch = "aarch64")]
+    let lacks = |isa: Isa| match isa {
+        Isa::Neon => !std::arch::is_aarch64_feature_detected!("neon"),
+        Isa::Portable => false,
+        Isa::Avx512 | Isa::Avx2Fma => true,
+    };
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let lacks = |isa: Isa| isa != Isa::Portable;
+    [Isa::Neon, Isa::Avx512, Isa::Avx2Fma, Isa::Portable]
+        .into_iter()
+        .find(|&isa| lacks(isa))
+}
+
+/// `sdpa_with_isa` refuses an instruction set this machine does not support.
+#[test]
+fn an_unsupported_instruction_set_is_an_error() -> Result<()> {
+    let Some(isa) = missing_isa() else {
+        eprintln!("skipped: this machine supports every instruction set of `Isa`");
+        return Ok(());
+    };
+    let dev = Device::Cpu;
+    let q = Tensor::zeros((1, 2, 3, 8), DType::F32, &dev)?;
+    let v = Tensor::zeros((1, 2, 5, 8), DType::F32, &dev)?;
+    let msg = err_msg(sdpa_with_isa(&q, &v, &v, None, None, 1.0, isa));
+    assert!(
+        msg.contains(&format!(
+            "instruction set {} is not supported on this machine",
+            isa.name()
+        )),
+        "{msg}"
+    );
     Ok(())
 }
 

@@ -339,3 +339,17 @@ fn mask_with_the_wrong_dtype_is_an_error() -> Result<()> {
     assert!(err_msg(AttnMask::sliding_window(0, CausalAlign::TopLeft)).contains("at least 1"));
     Ok(())
 }
+
+/// `causal_additive` and `to_additive` refuse a score shape of rank below 2.
+#[test]
+fn scores_of_rank_below_2_are_an_error() {
+    let dev = Device::Cpu;
+    for scores in [&[5usize][..], &[]] {
+        for mask in [AttnMask::causal(), AttnMask::none()] {
+            let msg = err_msg(mask.causal_additive(scores, DType::F32, &dev));
+            assert!(msg.contains("attention scores need rank >= 2"), "{msg}");
+            let msg = err_msg(mask.to_additive(scores, DType::F32, &dev));
+            assert!(msg.contains("attention scores need rank >= 2"), "{msg}");
+        }
+    }
+}
