@@ -6,7 +6,7 @@ An error site is a line of `src/` outside a `#[cfg(test)]` module that raises an
 with LLVM's source-based coverage (`-C instrument-coverage`), runs them, and prints each
 site whose line (or one of the next four, for a message split over lines) never ran.
 Sites that only a non-CPU device or a bug inside the crate can reach stay on the list;
-the README's "Parity with PyTorch" section says which those are.
+the README's "Error paths" section says which those are.
 
 Needs `llvm-profdata` and `llvm-cov` recent enough to read rustc's profiles; Debian's
 `llvm-19` package reads those of rustc 1.95 (LLVM 22). Not run by CI: it builds the
