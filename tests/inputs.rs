@@ -271,35 +271,25 @@ fn hf_config_layer_past_layer_types_is_refused() -> Result<()> {
     Ok(())
 }
 
-/// GPT-2's Conv1D-packed QKV with fewer key/value heads than query heads.
+/// Packed QKV layouts that split heads without GQA (GPT-2's Conv1D, BLOOM's head-interleaved)
+/// with fewer key/value heads than query heads.
 #[test]
-fn conv1d_packed_qkv_with_fewer_kv_heads_is_refused() -> Result<()> {
-    let cfg = from_hf(
-        "gpt2",
-        r#"{"n_embd": 8, "n_head": 2, "num_key_value_heads": 1}"#,
-        0,
-    )?;
-    let msg = err_msg(zero_layer(&cfg));
-    assert!(
-        msg.contains("Conv1D-packed QKV needs num_kv_heads == num_heads, got 1 and 2"),
-        "{msg}"
-    );
-    Ok(())
-}
-
-/// BLOOM's head-interleaved QKV with fewer key/value heads than query heads.
-#[test]
-fn head_interleaved_qkv_with_fewer_kv_heads_is_refused() -> Result<()> {
-    let cfg = from_hf(
-        "bloom",
-        r#"{"hidden_size": 8, "n_head": 2, "num_key_value_heads": 1}"#,
-        0,
-    )?;
-    let msg = err_msg(zero_layer(&cfg));
-    assert!(
-        msg.contains("head-interleaved QKV needs num_kv_heads == num_heads, got 1 and 2"),
-        "{msg}"
-    );
+fn packed_qkv_without_gqa_refuses_fewer_kv_heads() -> Result<()> {
+    for (arch, json, want) in [
+        (
+            "gpt2",
+            r#"{"n_embd": 8, "n_head": 2, "num_key_value_heads": 1}"#,
+            "Conv1D-packed QKV needs num_kv_heads == num_heads, got 1 and 2",
+        ),
+        (
+            "bloom",
+            r#"{"hidden_size": 8, "n_head": 2, "num_key_value_heads": 1}"#,
+            "head-interleaved QKV needs num_kv_heads == num_heads, got 1 and 2",
+        ),
+    ] {
+        let msg = err_msg(zero_layer(&from_hf(arch, json, 0)?));
+        assert!(msg.contains(want), "{arch}: {msg}");
+    }
     Ok(())
 }
 
