@@ -124,11 +124,18 @@ impl Default for MhaArgs<'_> {
 /// same tensor, as in [`Module::forward`]) runs the three input projections as one
 /// `(N·L, E) · (3E, E)ᵀ` product, as PyTorch does; other calls run three.
 ///
+/// The README's example (a `state_dict` saved with `safetensors.torch.save_file`):
+///
 /// ```no_run
-/// use candle_core::{DType, Device};
-/// use candle_attention::{MultiheadAttention, MultiheadAttentionConfig};
-/// let vb = unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&["mha.safetensors"], DType::F32, &Device::Cpu)? };
-/// let mha = MultiheadAttention::new(&MultiheadAttentionConfig::new(512, 8), vb)?;
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_attention::{MhaArgs, MultiheadAttention, MultiheadAttentionConfig};
+/// let dev = Device::Cpu;
+/// let (q, k, v) = (Tensor::zeros((2, 10, 512), DType::F32, &dev)?, Tensor::zeros((2, 7, 512), DType::F32, &dev)?, Tensor::zeros((2, 7, 512), DType::F32, &dev)?);
+/// let vb = unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&["mha.safetensors"], DType::F32, &dev)? };
+/// let cfg = MultiheadAttentionConfig { batch_first: true, ..MultiheadAttentionConfig::new(512, 8) };
+/// let mha = MultiheadAttention::new(&cfg, vb)?; // in_proj_weight, out_proj.weight, … as saved
+/// let (out, weights) = mha.forward_with(&q, &k, &v, &MhaArgs::default())?; // == mha(q, k, v)
+/// assert_eq!((out.dims(), weights.map(|w| w.dims().to_vec())), (&[2, 10, 512][..], Some(vec![2, 10, 7])));
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 #[derive(Clone, Debug)]
