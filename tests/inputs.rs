@@ -229,32 +229,23 @@ fn kv_cache_refuses_keys_and_values_that_disagree() -> Result<()> {
     Ok(())
 }
 
-/// A config.json with `num_attention_heads: 0`.
+/// config.json head counts that cannot split the hidden size: zero heads, and (without
+/// `head_dim`) a hidden_size that is not a multiple of the heads.
 #[test]
-fn hf_config_of_zero_attention_heads_is_refused() {
-    let msg = err_msg(from_hf(
-        "llama",
-        r#"{"hidden_size": 8, "num_attention_heads": 0}"#,
-        0,
-    ));
-    assert!(
-        msg.contains("llama config: num_attention_heads must be positive"),
-        "{msg}"
-    );
-}
-
-/// A config.json without `head_dim` whose hidden_size is not a multiple of the heads.
-#[test]
-fn hf_config_of_hidden_size_not_divisible_by_heads_is_refused() {
-    let msg = err_msg(from_hf(
-        "llama",
-        r#"{"hidden_size": 10, "num_attention_heads": 4}"#,
-        0,
-    ));
-    assert!(
-        msg.contains("hidden_size 10 is not divisible by num_attention_heads 4"),
-        "{msg}"
-    );
+fn hf_config_heads_that_cannot_split_the_hidden_size_are_refused() {
+    for (json, want) in [
+        (
+            r#"{"hidden_size": 8, "num_attention_heads": 0}"#,
+            "llama config: num_attention_heads must be positive",
+        ),
+        (
+            r#"{"hidden_size": 10, "num_attention_heads": 4}"#,
+            "llama config: hidden_size 10 is not divisible by num_attention_heads 4",
+        ),
+    ] {
+        let msg = err_msg(from_hf("llama", json, 0));
+        assert!(msg.contains(want), "{json}: {msg}");
+    }
 }
 
 /// A layer index past the end of config.json's `layer_types`.
