@@ -569,7 +569,18 @@ impl Ctx<'_> {
             // Rows of padding queries are unspecified: compare real tokens only.
             let l = x.dim(1)?;
             let rows = match &mask {
-                Some(m) => Some(m.narrow(1, m.dim(1)? - l, l)?),
+                Some(m) => {
+                    let cols = m.dim(1)?;
+                    if cols < l {
+                        candle::bail!(
+                            "fixture '{}': 'input.{p}attention_mask' {:?} has fewer than the \
+                             step's {l} query rows",
+                            self.fx.name,
+                            m.dims()
+                        )
+                    }
+                    Some(m.narrow(1, cols - l, l)?)
+                }
                 None => None,
             };
             outs.push(Compared {

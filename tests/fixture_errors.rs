@@ -272,13 +272,28 @@ fn hf_attention_without_an_architecture_is_an_error() -> Result<()> {
 fn an_attention_mask_that_does_not_fit_the_output_rows_is_an_error() -> Result<()> {
     let name = "hf_attention__whisper_cross_attention__f32";
     assert!(committed(name)?.run(&RunOptions::default())?.pass);
-    // The output is (2, 5, 32): a mask for 3 batch rows does not divide it.
-    let mask = Tensor::ones((3, 5), DType::U8, &Device::Cpu)?;
-    let fx = committed_with(name, vec![("input.attention_mask", mask)])?;
-    let msg = err_msg(fx.run(&RunOptions::default()));
-    assert!(
-        msg.contains("row mask [3, 5] does not fit 'output.attn_output' [2, 5, 32]"),
-        "{msg}"
-    );
+    // The output is (2, 5, 32): a mask for 3 batch rows does not divide it, a mask of
+    // no batch rows has no rows to spread it over, and 4 columns cannot hold the 5
+    // query rows (before the check, that wrapped below zero).
+    let cases = [
+        (
+            (3, 5),
+            "row mask [3, 5] does not fit 'output.attn_output' [2, 5, 32]",
+        ),
+        (
+            (0, 5),
+            "row mask [0, 5] does not fit 'output.attn_output' [2, 5, 32]",
+        ),
+        (
+            (2, 4),
+            "'input.attention_mask' [2, 4] has fewer than the step's 5 query rows",
+        ),
+    ];
+    for (shape, want) in cases {
+        let mask = Tensor::ones(shape, DType::U8, &Device::Cpu)?;
+        let fx = committed_with(name, vec![("input.attention_mask", mask)])?;
+        let msg = err_msg(fx.run(&RunOptions::default()));
+        assert!(msg.contains(want), "{shape:?}: {msg}");
+    }
     Ok(())
 }
