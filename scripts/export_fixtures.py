@@ -24,6 +24,9 @@ under a newer transformers):
 
     /tmp/venv/bin/python scripts/export_fixtures.py --hf-case NAME [--hf-case NAME ...]
 
+``--case KIND__NAME`` (repeatable) does the same for a case of the PyTorch
+kinds (``sdpa``, ``multihead_attention``, ``notes_*``), e.g. ``--case sdpa__basic``.
+
 Oracle rule: every parameter and input is drawn at random (biases included),
 rounded to the fixture dtype and stored; the expected outputs are computed by
 PyTorch in float64 from those rounded values, then cast to the fixture dtype
@@ -303,6 +306,15 @@ MHA_CASES = [
     MhaCase("e18_h3", {"embed_dim": 18, "num_heads": 3, "dropout": 0.0}, N=3, L=4, S=9),
     MhaCase("fully_masked_rows", {"embed_dim": 12, "num_heads": 2}, {"need_weights": False},
             S=6, attn_mask="bool", masked_rows=(0, 3)),
+    # is_causal with appended keys: PyTorch pads the causal attn_mask with visible
+    # columns for bias_k and the zero key (with need_weights, or with a padding mask).
+    MhaCase("causal_bias_kv_zero_attn",
+            {"embed_dim": 12, "num_heads": 3, "add_bias_kv": True, "add_zero_attn": True,
+             "batch_first": True},
+            {"is_causal": True}, L=6, attn_mask="causal"),
+    MhaCase("causal_zero_attn_padding", {"embed_dim": 12, "num_heads": 2, "add_zero_attn": True},
+            {"need_weights": False, "is_causal": True}, L=5, attn_mask="causal",
+            key_padding_mask="bool"),
 ]
 
 
@@ -1775,6 +1787,19 @@ def export_hf_cases(cases: list[HfCase]):
     assert hf_total <= MAX_HF_BYTES, "hf_attention fixtures exceed the size budget"
 
 
+def builder(kind: str):
+    """The function that builds a fixture of one of the PyTorch kinds."""
+    return {"sdpa": build_sdpa, "multihead_attention": build_multihead_attention}.get(
+        kind, build_notes)
+
+
+def torch_kind_cases() -> list[tuple[str, object]]:
+    """(kind, case) for every case of the PyTorch kinds, in export order."""
+    return ([("sdpa", c) for c in SDPA_CASES]
+            + [("multihead_attention", c) for c in MHA_CASES]
+            + [(c.kind, c) for c in NOTES_CASES])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-config-defaults-only", action="store_true",
@@ -1783,6 +1808,11 @@ def main():
                         choices=[c.name for c in HF_CASES],
                         help="write only this hf_attention case (repeatable); leave every other "
                              "file alone")
+    parser.add_argument("--case", action="append", metavar="KIND__NAME",
+                        choices=[f"{k}__{c.name}" for k, c in torch_kind_cases()],
+                        help="write only this case of the PyTorch kinds (sdpa, "
+                             "multihead_attention, notes_*), e.g. sdpa__basic (repeatable); "
+                             "leave every other file alone")
     args = parser.parse_args()
     assert sys.byteorder == "little"
     torch.set_num_threads(1)
@@ -1790,6 +1820,13 @@ def main():
     OUT_DIR.mkdir(exist_ok=True)
     if args.hf_case:
         export_hf_cases([c for c in HF_CASES if c.name in args.hf_case])
+        return
+    if args.case:
+        for kind, case in torch_kind_cases():
+            if f"{kind}__{case.name}" in args.case:
+                for short, dtype in DTYPES.items():
+                    p = save_fixture(builder(kind)(case, dtype), short, dtype)
+                    print(f"  {p.name:<64} {p.stat().st_size} bytes")
         return
     defaults = export_hf_config_defaults()
     print(f"transformers {transformers.__version__}: wrote {defaults} "
@@ -1801,13 +1838,10 @@ def main():
         for stale in OUT_DIR.glob(f"{kind}__*.safetensors"):
             stale.unlink()
 
-    builders = ([(build_sdpa, c) for c in SDPA_CASES]
-                + [(build_multihead_attention, c) for c in MHA_CASES]
-                + [(build_notes, c) for c in NOTES_CASES])
     written = []
-    for build, case in builders:
+    for kind, case in torch_kind_cases():
         for short, dtype in DTYPES.items():
-            written.append(save_fixture(build(case, dtype), short, dtype))
+            written.append(save_fixture(builder(kind)(case, dtype), short, dtype))
 
     hf_written, deviations = [], {}
     for case in HF_CASES:

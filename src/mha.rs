@@ -13,7 +13,7 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::empty;
-use crate::mask::AttnMask;
+use crate::mask::{self, AttnMask, CausalRule};
 use crate::proj::Proj;
 use crate::sdpa::{attention, compute_dtype, Backend, SdpaOptions};
 
@@ -93,6 +93,8 @@ pub struct MhaArgs<'a> {
     pub average_attn_weights: bool,
     /// Causal hint. PyTorch requires `attn_mask` to hold the causal mask then; here the
     /// top-left causal rule is applied in any case, together with `attn_mask` if given.
+    /// The rule covers the `S` given keys: keys appended by `add_bias_kv` and
+    /// `add_zero_attn` stay visible, as PyTorch's padded `attn_mask` leaves them.
     pub is_causal: bool,
     /// Which SDPA implementation runs the attention (not a PyTorch argument).
     pub backend: Backend,
@@ -393,9 +395,23 @@ impl MultiheadAttention {
             v = v.pad_with_zeros(2, 0, 1)?;
         }
 
+        // `is_causal` stands for PyTorch's causal `attn_mask` over the S given keys, which
+        // PyTorch pads with visible columns for the appended keys (`bias_k`, the zero
+        // key). A causal rule over all S + extra keys would hide those from every query
+        // row but the last ones, so with appended keys the rule is a mask of its own.
+        if args.is_causal && extra_keys > 0 {
+            let rule = CausalRule {
+                offset: 0,
+                window: None,
+            };
+            let causal = mask::causal_additive(rule, l, s, cd, query.device())?
+                .pad_with_zeros(D::Minus1, 0, extra_keys)?
+                .reshape((1, 1, l, s + extra_keys))?;
+            mask = mask.and(&AttnMask::additive(&causal)?);
+        }
         let opts = SdpaOptions {
             mask: if mask.is_empty() { None } else { Some(mask) },
-            is_causal: args.is_causal,
+            is_causal: args.is_causal && extra_keys == 0,
             need_weights: args.need_weights,
             backend: args.backend,
             ..SdpaOptions::default()

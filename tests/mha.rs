@@ -173,47 +173,59 @@ fn bool_and_float_masks_agree() -> Result<()> {
     Ok(())
 }
 
+/// `is_causal` gives what PyTorch gives for the causal `attn_mask` it stands for, with
+/// or without that mask, and with keys appended by `add_bias_kv` and `add_zero_attn`:
+/// PyTorch pads `attn_mask` with visible columns for them, so the rule covers only the
+/// given keys (a rule over all keys would hide the appended ones).
 #[test]
 fn is_causal_equals_a_causal_attn_mask() -> Result<()> {
-    let cfg = MultiheadAttentionConfig {
-        batch_first: true,
-        ..MultiheadAttentionConfig::new(12, 3)
-    };
-    let mha = MultiheadAttention::new(&cfg, vb(mha_params(12)?))?;
-    let x = randn(&[2, 5, 12])?;
     // MHA's bool mask: true = blocked, so the causal mask is the strict upper triangle.
     let blocked: Vec<u8> = (0..25).map(|i| ((i % 5) > (i / 5)) as u8).collect();
     let blocked = Tensor::from_vec(blocked, (5, 5), &Device::Cpu)?;
-    let (a, _) = mha.forward_with(
-        &x,
-        &x,
-        &x,
-        &MhaArgs {
-            attn_mask: Some(&blocked),
-            ..args()
-        },
-    )?;
-    let (b, _) = mha.forward_with(
-        &x,
-        &x,
-        &x,
-        &MhaArgs {
-            is_causal: true,
-            ..args()
-        },
-    )?;
-    let (c, _) = mha.forward_with(
-        &x,
-        &x,
-        &x,
-        &MhaArgs {
-            is_causal: true,
-            attn_mask: Some(&blocked),
-            ..args()
-        },
-    )?;
-    assert!(max_diff(&a, &b)? < 1e-6);
-    assert!(max_diff(&a, &c)? < 1e-6);
+    let x = randn(&[2, 5, 12])?;
+    for (add_bias_kv, add_zero_attn) in [(false, false), (true, false), (false, true), (true, true)] {
+        let cfg = MultiheadAttentionConfig {
+            batch_first: true,
+            add_bias_kv,
+            add_zero_attn,
+            ..MultiheadAttentionConfig::new(12, 3)
+        };
+        let mut params = mha_params(12)?;
+        if add_bias_kv {
+            params.push(("bias_k", randn(&[1, 1, 12])?));
+            params.push(("bias_v", randn(&[1, 1, 12])?));
+        }
+        let mha = MultiheadAttention::new(&cfg, vb(params))?;
+        for need_weights in [false, true] {
+            let what = format!("bias_kv {add_bias_kv}, zero_attn {add_zero_attn}, weights {need_weights}");
+            let run = |is_causal: bool, attn_mask: Option<&Tensor>| {
+                let a = MhaArgs {
+                    is_causal,
+                    attn_mask,
+                    need_weights,
+                    ..args()
+                };
+                mha.forward_with(&x, &x, &x, &a)
+            };
+            let (a, wa) = run(false, Some(&blocked))?;
+            for (b, wb) in [run(true, None)?, run(true, Some(&blocked))?] {
+                assert!(max_diff(&a, &b)? < 1e-6, "{what}: {}", max_diff(&a, &b)?);
+                if let (Some(wa), Some(wb)) = (&wa, &wb) {
+                    assert!(max_diff(wa, wb)? < 1e-6, "{what}: weights {}", max_diff(wa, wb)?);
+                }
+            }
+            // The appended keys are seen: the first query row puts weight on them.
+            if let Some(w) = &wa {
+                let extra = add_bias_kv as usize + add_zero_attn as usize;
+                let tail = w
+                    .narrow(2, 5, extra)?
+                    .narrow(1, 0, 1)?
+                    .sum_all()?
+                    .to_scalar::<f32>()?;
+                assert!(extra == 0 || tail > 1e-3, "{what}: {tail}");
+            }
+        }
+    }
     Ok(())
 }
 
