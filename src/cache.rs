@@ -209,7 +209,7 @@ impl KvCache {
             _ => Ok(Some(KvView {
                 k: k.narrow(SEQ, 0, self.len)?,
                 v: v.narrow(SEQ, 0, self.len)?,
-                positions: (0..self.len).collect(),
+                positions: positions(0..self.len)?,
             })),
         }
     }
@@ -250,6 +250,13 @@ impl KvCache {
                 self.v = None;
             }
         }
+        // An empty batch (B, H or D = 0) can carry any sequence length.
+        if self.seen.checked_add(l).is_none() {
+            candle::bail!(
+                "KV cache: {} tokens seen, {l} more would overflow the positions",
+                self.seen
+            )
+        }
         match self.mode {
             Mode::Rotating(w) => self.append_rotating(k, v, w),
             _ => self.append_linear(k, v),
@@ -282,7 +289,7 @@ impl KvCache {
         Ok(KvView {
             k: ck.narrow(SEQ, 0, need)?,
             v: cv.narrow(SEQ, 0, need)?,
-            positions: (0..need).collect(),
+            positions: positions(0..need)?,
         })
     }
 
@@ -296,7 +303,12 @@ impl KvCache {
             self.v = Some(grow(None, v, 0, slots)?);
         }
         if self.ring.len() != slots {
-            self.ring = vec![None; slots];
+            let mut ring = Vec::new();
+            ring.try_reserve_exact(slots).map_err(|_| {
+                candle::Error::Msg(format!("KV cache: cannot allocate a ring of {slots} slots"))
+            })?;
+            ring.resize(slots, None);
+            self.ring = ring;
         }
         let (ck, cv) = self.buffers()?;
         // The held tokens are the positions `first..seen`, at slots `position % slots`.
@@ -322,7 +334,7 @@ impl KvCache {
                 KvView {
                     k: ring_arc(&ck, first % slots, n)?,
                     v: ring_arc(&cv, first % slots, n)?,
-                    positions: (first..first + n).collect(),
+                    positions: positions(first..first + n)?,
                 }
             }
         } else {
@@ -339,7 +351,7 @@ impl KvCache {
             let view = KvView {
                 k: kk,
                 v: vv,
-                positions: (first..first + n).collect(),
+                positions: positions(first..first + n)?,
             };
             let keep = l.min(w);
             let from = self.seen + l - keep;
@@ -367,6 +379,20 @@ impl KvCache {
             _ => candle::bail!("KV cache buffers are not allocated"),
         }
     }
+}
+
+/// The positions `range`, as [`KvView::positions`] holds them: an error, not an abort,
+/// when they cannot be allocated (an empty batch can carry any sequence length).
+fn positions(range: std::ops::Range<usize>) -> Result<Vec<usize>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(range.len()).map_err(|_| {
+        candle::Error::Msg(format!(
+            "KV cache: cannot allocate the positions of {} tokens",
+            range.len()
+        ))
+    })?;
+    v.extend(range);
+    Ok(v)
 }
 
 /// A zeroed `(B, H, cap, D)` buffer like `like`, holding the first `len` tokens of `old`.

@@ -38,7 +38,10 @@ impl CausalAlign {
     pub fn offset(self, l: usize, s: usize) -> isize {
         match self {
             CausalAlign::TopLeft => 0,
-            CausalAlign::BottomRight => s as isize - l as isize,
+            // In i128, clamped: lengths beyond `isize::MAX` only occur with empty tensors.
+            CausalAlign::BottomRight => {
+                (s as i128 - l as i128).clamp(isize::MIN as i128, isize::MAX as i128) as isize
+            }
             CausalAlign::Offset(o) => o,
         }
     }
@@ -376,7 +379,10 @@ pub(crate) fn causal_additive(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
-    let mut data = vec![f32::NEG_INFINITY; l * s];
+    let Some(n) = l.checked_mul(s) else {
+        candle::bail!("causal mask of {l} x {s} has more elements than usize can count")
+    };
+    let mut data = vec![f32::NEG_INFINITY; n];
     for i in 0..l {
         // In i128, so that no offset or window overflows.
         let hi = i as i128 + rule.offset as i128; // inclusive

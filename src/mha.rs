@@ -301,15 +301,18 @@ impl MultiheadAttention {
             extra_keys += 1;
         }
         if let Some(am) = args.attn_mask {
-            let am4 = match (am.dims(), unbatched) {
-                (&[ml, ms], _) if ml == l && ms == s => am.reshape((1, 1, l, s))?,
-                (&[nh, ml, ms], false) if nh == n * h && ml == l && ms == s => am.reshape((n, h, l, s))?,
-                (&[nh, ml, ms], true) if nh == h && ml == l && ms == s => am.reshape((1, h, l, s))?,
-                (d, _) => candle::bail!(
+            let am4 =
+                match (am.dims(), unbatched) {
+                    (&[ml, ms], _) if ml == l && ms == s => am.reshape((1, 1, l, s))?,
+                    (&[nh, ml, ms], false) if n.checked_mul(h) == Some(nh) && ml == l && ms == s => {
+                        am.reshape((n, h, l, s))?
+                    }
+                    (&[nh, ml, ms], true) if nh == h && ml == l && ms == s => am.reshape((1, h, l, s))?,
+                    (d, _) => candle::bail!(
                     "MultiheadAttention: attn_mask must have shape ({l}, {s}) or ({}, {l}, {s}), got {d:?}",
-                    if unbatched { h } else { n * h }
+                    if unbatched { h.to_string() } else { format!("{n}·{h}") }
                 ),
-            };
+                };
             // Appended keys are never masked by attn_mask (PyTorch pads it with zeros).
             let am4 = am4.pad_with_zeros(D::Minus1, 0, extra_keys)?;
             mask = mask.and(&if am.dtype().is_float() {

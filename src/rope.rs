@@ -164,9 +164,14 @@ impl RotaryEmbedding {
         if !cfg.theta.is_finite() || cfg.theta <= 1.0 {
             candle::bail!("rope: rope_theta must be greater than 1, got {}", cfg.theta)
         }
-        let base: Vec<f64> = (0..dim / 2)
-            .map(|i| 1.0 / cfg.theta.powf((2 * i) as f64 / dim as f64))
-            .collect();
+        let mut base: Vec<f64> = Vec::new();
+        base.try_reserve_exact(dim / 2).map_err(|_| {
+            candle::Error::Msg(format!(
+                "rope: cannot allocate the {} frequencies of rotary_dim {dim}",
+                dim / 2
+            ))
+        })?;
+        base.extend((0..dim / 2).map(|i| 1.0 / cfg.theta.powf((2 * i) as f64 / dim as f64)));
         let positive = |name: &str, x: f64| -> Result<()> {
             if !x.is_finite() || x <= 0.0 {
                 candle::bail!("rope: {name} must be positive and finite, got {x}")

@@ -222,7 +222,7 @@ pub(crate) fn check_dims(q: &Tensor, k: &Tensor, v: &Tensor, enable_gqa: bool) -
     }
     let lead = qs[..nlead].to_vec();
     let n = lead.iter().product();
-    Ok(Dims {
+    let dims = Dims {
         lead,
         n,
         hq,
@@ -232,7 +232,17 @@ pub(crate) fn check_dims(q: &Tensor, k: &Tensor, v: &Tensor, enable_gqa: bool) -
         e,
         ev,
         headless,
-    })
+    };
+    // With a zero-sized E, L·S and L·Ev can exceed what the inputs hold.
+    for (what, shape) in [("scores", dims.score_shape()), ("output", dims.out_shape(ev))] {
+        if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_none() {
+            candle::bail!(
+                "sdpa: the {what} {shape:?} have more elements than usize can count \
+                 (query {qs:?}, key {ks:?}, value {vs:?})"
+            )
+        }
+    }
+    Ok(dims)
 }
 
 /// The dtype in which scores and softmax are computed: f32 for f16/bf16.
@@ -302,6 +312,14 @@ pub(crate) fn attention(
     if let Some(cap) = opts.softcap {
         if !(cap > 0.0 && cap.is_finite()) {
             candle::bail!("sdpa: softcap must be positive and finite, got {cap}")
+        }
+        // f16/bf16/f32 scores are capped in f32, where the cap must stay positive and finite.
+        let in_f32 = cap as f32;
+        if compute_dtype(q.dtype()) == DType::F32 && !(in_f32 > 0.0 && in_f32.is_finite()) {
+            candle::bail!(
+                "sdpa: softcap {cap:e} is not a positive finite f32, the dtype that caps {:?} scores",
+                q.dtype()
+            )
         }
     }
     if let Some(sinks) = &opts.sinks {

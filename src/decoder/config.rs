@@ -564,7 +564,7 @@ impl DecoderAttentionConfig {
                     1.0
                 };
                 if cfg.scale_attn_by_inverse_layer_idx.unwrap_or(false) {
-                    out.scale /= (layer_idx + 1) as f64;
+                    out.scale /= layer_idx as f64 + 1.0;
                 }
             }
             "gpt_neox" => {
@@ -624,14 +624,15 @@ impl DecoderAttentionConfig {
         }
         let sliding = match arch {
             // Gemma2Config, GptOssConfig: sliding, full, sliding, full, …
-            "gemma2" | "gpt_oss" => !(layer_idx + 1).is_multiple_of(2),
+            "gemma2" | "gpt_oss" => layer_idx.is_multiple_of(2),
             // Gemma3TextConfig: every `sliding_window_pattern`-th layer is full.
             "gemma3_text" => {
                 let pattern = cfg.sliding_window_pattern.unwrap_or(6);
                 if pattern == 0 {
                     candle::bail!("{arch} config: sliding_window_pattern must be at least 1, got 0")
                 }
-                !(layer_idx + 1).is_multiple_of(pattern)
+                // `(layer_idx + 1) % pattern != 0`, without overflow at `usize::MAX`.
+                layer_idx % pattern != pattern - 1
             }
             // Qwen2MoeConfig: the even layers below `max_window_layers`, with `use_sliding_window`.
             "qwen2_moe" => {

@@ -402,8 +402,8 @@ impl DecoderAttention {
         for i in 0..l {
             let qp = past + i;
             for (j, &kp) in positions.iter().enumerate() {
-                let in_window = self.cfg.sliding_window.is_none_or(|w| kp + w > qp);
-                if kp <= qp && in_window {
+                // `kp + w > qp`, without overflow for a huge window.
+                if kp <= qp && self.cfg.sliding_window.is_none_or(|w| qp - kp < w) {
                     m[i * s + j] = 0.0;
                 }
             }

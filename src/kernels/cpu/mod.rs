@@ -484,8 +484,12 @@ fn sdpa_impl(
         }
     }
     let out_shape = (b, hq, l, ev);
-    if b * hq * l * ev == 0 {
-        return Tensor::zeros(out_shape, dtype, q.device());
+    match [b, hq, l, ev].iter().try_fold(1usize, |a, &d| a.checked_mul(d)) {
+        None => candle::bail!(
+            "sdpa: the output (B, Hq, L, Ev) = {out_shape:?} has more elements than usize can count"
+        ),
+        Some(0) => return Tensor::zeros(out_shape, dtype, q.device()),
+        Some(_) => {}
     }
 
     let (qs, ql) = q.storage_and_layout();

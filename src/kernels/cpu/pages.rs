@@ -68,16 +68,45 @@ fn advise(addr: usize, len: usize) {
 /// A large zeroed allocation is a fresh mapping that nothing has touched, so the
 /// advice decides how its pages are faulted in when they are first written, and they
 /// are still faulted in lazily: memory is only committed where something is stored.
-fn zeroed_vec<T: Clone + Default>(n: usize, zero: T) -> Vec<T> {
-    // `vec![zero; n]` asks `alloc_zeroed` for the primitive integer and float types,
-    // so no page is touched here.
-    let mut v = vec![zero; n];
+///
+/// It asks `alloc_zeroed` directly, as `vec![0; n]` does for these types, so no page is
+/// touched here; unlike `vec!`, a size the allocator cannot give is an error, not an abort.
+fn zeroed_vec<T: ZeroBits>(n: usize) -> Result<Vec<T>> {
+    let fail = || {
+        candle::Error::Msg(format!(
+            "cannot allocate {n} zeroed elements of {} bytes",
+            std::mem::size_of::<T>()
+        ))
+    };
+    let layout = std::alloc::Layout::array::<T>(n).map_err(|_| fail())?;
+    let mut v = if layout.size() == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+        if ptr.is_null() {
+            return Err(fail());
+        }
+        // SAFETY: `ptr` comes from the global allocator with the layout of `[T; n]`
+        // (so capacity `n` matches its size and alignment), and its `n` elements are
+        // initialised: all-zero bits are a valid `T` (`ZeroBits`).
+        unsafe { Vec::from_raw_parts(ptr, n, n) }
+    };
     let len = std::mem::size_of_val(v.as_slice());
     if len >= HUGE_CACHE_BYTES {
         advise(v.as_mut_ptr() as usize, len);
     }
-    v
+    Ok(v)
 }
+
+/// Primitive types whose all-zero bit pattern is a valid value (their zero).
+trait ZeroBits: Copy {}
+impl ZeroBits for f32 {}
+impl ZeroBits for f64 {}
+impl ZeroBits for u8 {}
+impl ZeroBits for u16 {}
+impl ZeroBits for u32 {}
+impl ZeroBits for i64 {}
 
 /// A zeroed `shape` tensor for a buffer that is filled over time and read whole many
 /// times, such as a KV cache.
@@ -91,18 +120,22 @@ pub(crate) fn zeroed(shape: &Shape, dtype: DType, device: &Device) -> Result<Ten
     }
     let n = shape.elem_count();
     match dtype {
-        DType::F32 => Tensor::from_vec(zeroed_vec(n, 0f32), shape, device),
-        DType::F64 => Tensor::from_vec(zeroed_vec(n, 0f64), shape, device),
+        DType::F32 => Tensor::from_vec(zeroed_vec::<f32>(n)?, shape, device),
+        DType::F64 => Tensor::from_vec(zeroed_vec::<f64>(n)?, shape, device),
         // The bits of +0.0 are all zero, so the zeroed `u16`s are the zeros of both.
-        DType::F16 => Tensor::from_vec(zeroed_vec(n, 0u16).reinterpret_into::<half::f16>(), shape, device),
-        DType::BF16 => Tensor::from_vec(
-            zeroed_vec(n, 0u16).reinterpret_into::<half::bf16>(),
+        DType::F16 => Tensor::from_vec(
+            zeroed_vec::<u16>(n)?.reinterpret_into::<half::f16>(),
             shape,
             device,
         ),
-        DType::U8 => Tensor::from_vec(zeroed_vec(n, 0u8), shape, device),
-        DType::U32 => Tensor::from_vec(zeroed_vec(n, 0u32), shape, device),
-        DType::I64 => Tensor::from_vec(zeroed_vec(n, 0i64), shape, device),
+        DType::BF16 => Tensor::from_vec(
+            zeroed_vec::<u16>(n)?.reinterpret_into::<half::bf16>(),
+            shape,
+            device,
+        ),
+        DType::U8 => Tensor::from_vec(zeroed_vec::<u8>(n)?, shape, device),
+        DType::U32 => Tensor::from_vec(zeroed_vec::<u32>(n)?, shape, device),
+        DType::I64 => Tensor::from_vec(zeroed_vec::<i64>(n)?, shape, device),
         _ => Tensor::zeros(shape, dtype, device),
     }
 }

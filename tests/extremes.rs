@@ -1,0 +1,230 @@
+//! Sizes and numbers at the limits of `usize`, of the allocator and of f32: each gives
+//! an error or the right answer, never a panic, an abort or a wrapped-around result.
+//! (The test suite runs in debug mode, where integer overflow panics.) Most need a
+//! zero-sized dimension beside a huge one, which empty tensors allow.
+mod common;
+
+use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, HfConfig, QkvLayout};
+use candle_attention::kernels::cpu as kcpu;
+use candle_attention::{
+    scaled_dot_product_attention, AttnMask, Backend, KvCache, MhaArgs, MultiheadAttention,
+    MultiheadAttentionConfig, RopeConfig, RopeScaling, RopeStyle, RotaryEmbedding, SdpaOptions,
+};
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::VarBuilder;
+use common::{err_msg, max_diff, randn};
+
+fn zeros(shape: &[usize]) -> Result<Tensor> {
+    Tensor::zeros(shape, DType::F32, &Device::Cpu)
+}
+
+/// The last layers of `usize`: the alternating and every-n-th layer patterns and GPT-2's
+/// `1 / (layer_idx + 1)` are computed without `layer_idx + 1` (it overflowed).
+#[test]
+fn layer_indices_at_usize_max_follow_the_layer_patterns() -> Result<()> {
+    let hf = HfConfig::from_json(
+        r#"{"hidden_size": 64, "num_attention_heads": 4, "query_pre_attn_scalar": 16,
+            "sliding_window": 8, "n_embd": 64, "n_head": 4, "scale_attn_by_inverse_layer_idx": true}"#,
+    )?;
+    for i in [usize::MAX - 1, usize::MAX] {
+        // Layer i is full when (i + 1) is a multiple of the pattern (2, or Gemma 3's 6).
+        let full = |pattern: u128| (i as u128 + 1).is_multiple_of(pattern);
+        for (arch, pattern) in [("gemma2", 2), ("gpt_oss", 2), ("gemma3_text", 6)] {
+            let cfg = DecoderAttentionConfig::from_hf(arch, &hf, i, false)?;
+            assert_eq!(cfg.sliding_window.is_none(), full(pattern), "{arch} layer {i}");
+        }
+        let gpt2 = DecoderAttentionConfig::from_hf("gpt2", &hf, i, false)?;
+        let want = 1.0 / 16f64.sqrt() / (i as f64 + 1.0);
+        assert!(
+            gpt2.scale > 0.0 && (gpt2.scale - want).abs() <= 1e-12 * want,
+            "{}",
+            gpt2.scale
+        );
+    }
+    Ok(())
+}
+
+/// A window far beyond any position, with a caller's rotating cache that keeps only the
+/// last keys (so the layer masks by position): every held key is in the window. The
+/// window test `kp + w > qp` overflowed (a panic in debug, and in release every key hidden,
+/// so the step returned zeros from its third token on).
+#[test]
+fn a_huge_window_over_a_rotating_cache_sees_every_held_key() -> Result<()> {
+    let cfg = |w: usize| DecoderAttentionConfig {
+        hidden_size: 8,
+        num_heads: 1,
+        num_kv_heads: 1,
+        head_dim: 8,
+        layout: QkvLayout::separate(false, false, false, false),
+        qk_norm: None,
+        rope: None,
+        alibi: false,
+        softcap: None,
+        sinks: false,
+        sliding_window: Some(w),
+        bidirectional: false,
+        scale: 1.0,
+        cross_attention: false,
+        max_position_embeddings: None,
+    };
+    let vb = || -> Result<VarBuilder<'static>> {
+        let w = |n: &str| -> Result<(String, Tensor)> { Ok((format!("{n}.weight"), randn(&[8, 8])?)) };
+        let map = ["q_proj", "k_proj", "v_proj", "o_proj"]
+            .map(w)
+            .into_iter()
+            .collect::<Result<_>>()?;
+        Ok(VarBuilder::from_tensors(map, DType::F32, &Device::Cpu))
+    };
+    let weights = vb()?;
+    let huge = DecoderAttention::new(&cfg(usize::MAX), weights.clone())?;
+    let wide = DecoderAttention::new(&cfg(1000), weights)?;
+    let (mut c_huge, mut c_wide) = (KvCache::rotating(2)?, KvCache::rotating(2)?);
+    for p in 0..5i64 {
+        let x = randn(&[1, 1, 8])?;
+        let pos = Tensor::new(&[[p]], &Device::Cpu)?;
+        let a = huge.forward_cached(&x, &pos, None, Some(&mut c_huge))?;
+        let b = wide.forward_cached(&x, &pos, None, Some(&mut c_wide))?;
+        assert!(max_diff(&a, &b)? < 1e-6, "step {p}: {}", max_diff(&a, &b)?);
+        let norm = a.sqr()?.sum_all()?.to_scalar::<f32>()?;
+        assert!(norm > 0.0, "step {p}: zeros");
+    }
+    Ok(())
+}
+
+/// Bottom-right offsets of lengths beyond `isize::MAX` (empty tensors) are clamped, not
+/// wrapped (`S − L` overflowed).
+#[test]
+fn bottom_right_offsets_of_huge_lengths_do_not_overflow() -> Result<()> {
+    let offset = |l: usize, s: usize| {
+        AttnMask::causal_bottom_right()
+            .causal_rule(l, s)
+            .map(|r| r.offset)
+    };
+    assert_eq!(offset(usize::MAX, isize::MAX as usize), Some(isize::MIN));
+    assert_eq!(offset(usize::MAX, 1), Some(isize::MIN));
+    assert_eq!(offset(0, usize::MAX), Some(isize::MAX));
+    assert_eq!(offset(3, 10), Some(7));
+    Ok(())
+}
+
+/// With E = 0, the scores `(L, S)` and the output `(L, Ev)` may have more elements than
+/// `usize` counts although every input is empty: an error on every path, where the
+/// products of the shape overflowed.
+#[test]
+fn shapes_beyond_usize_are_errors() -> Result<()> {
+    let big = 1usize << 33;
+    let q = zeros(&[big, 0])?;
+    for backend in [Backend::Auto, Backend::Reference] {
+        let opts = SdpaOptions::new().with_causal(true).with_backend(backend);
+        let msg = err_msg(scaled_dot_product_attention(&q, &q, &q, &opts));
+        assert!(
+            msg.contains("sdpa: the scores [8589934592, 8589934592] have more elements"),
+            "{msg}"
+        );
+    }
+    let (q, k, v) = (
+        zeros(&[1, 1, big, 0])?,
+        zeros(&[1, 1, 0, 0])?,
+        zeros(&[1, 1, 0, big])?,
+    );
+    let msg = err_msg(scaled_dot_product_attention(&q, &k, &v, &SdpaOptions::new()));
+    assert!(
+        msg.contains("sdpa: the output [1, 1, 8589934592, 8589934592] have more elements"),
+        "{msg}"
+    );
+    let msg = err_msg(kcpu::sdpa(&q, &k, &v, None, None, 1.0));
+    assert!(
+        msg.contains("the output (B, Hq, L, Ev) = (1, 1, 8589934592, 8589934592) has more elements"),
+        "{msg}"
+    );
+    let msg = err_msg(AttnMask::causal().causal_additive(&[big, big], DType::F32, &Device::Cpu));
+    assert!(
+        msg.contains("causal mask of 8589934592 x 8589934592 has more elements"),
+        "{msg}"
+    );
+    // MultiheadAttention's (N·H, L, S) mask check multiplied N by H.
+    let cfg = MultiheadAttentionConfig {
+        batch_first: true,
+        ..MultiheadAttentionConfig::new(8, 4)
+    };
+    let mha = MultiheadAttention::new(&cfg, VarBuilder::zeros(DType::F32, &Device::Cpu))?;
+    let x = zeros(&[1 << 62, 0, 8])?;
+    let am = Tensor::zeros((4, 0, 0), DType::U8, &Device::Cpu)?;
+    let args = MhaArgs {
+        attn_mask: Some(&am),
+        ..MhaArgs::default()
+    };
+    let msg = err_msg(mha.forward_with(&x, &x, &x, &args));
+    assert!(
+        msg.contains("attn_mask must have shape (0, 0) or (4611686018427387904·4, 0, 0)"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+/// Buffers the allocator cannot give (beyond the 2^47-byte address space of x86-64 and
+/// aarch64 user space, so no overcommit setting grants them) are errors, not aborts.
+#[test]
+fn allocations_too_large_for_memory_are_errors() -> Result<()> {
+    // A fixed-size cache of 2^46 tokens of 16 bytes: 1 PiB.
+    let mut cache = KvCache::with_max_len(1 << 46);
+    let kv = zeros(&[1, 1, 1, 4])?;
+    let msg = err_msg(cache.append(&kv, &kv));
+    assert!(
+        msg.contains("cannot allocate 281474976710656 zeroed elements of 4 bytes"),
+        "{msg}"
+    );
+    // A rotating window of almost 2^32 tokens of 256 KiB.
+    let mut cache = KvCache::rotating(u32::MAX as usize - 2)?;
+    let kv = zeros(&[1, 1, 1, 1 << 16])?;
+    let msg = err_msg(cache.append(&kv, &kv));
+    assert!(msg.contains("cannot allocate"), "{msg}");
+    // An empty batch carries any length: its positions cannot be allocated.
+    let kv = zeros(&[0, 1, 1 << 61, 1])?;
+    let msg = err_msg(KvCache::new().append(&kv, &kv));
+    assert!(
+        msg.contains("KV cache: cannot allocate the positions of 2305843009213693952 tokens"),
+        "{msg}"
+    );
+    // A rope of 2^62 frequencies.
+    let d = 1usize << 63;
+    let rope = RotaryEmbedding::new(&RopeConfig {
+        head_dim: d,
+        rotary_dim: d,
+        theta: 10000.0,
+        style: RopeStyle::HalfSplit,
+        scaling: RopeScaling::Default,
+    });
+    let msg = err_msg(rope);
+    assert!(
+        msg.contains("rope: cannot allocate the 4611686018427387904 frequencies"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+/// A soft-cap beyond f32's range cannot cap f32 scores: an error on both paths, where
+/// the fused path refused it and the reference path capped with an infinite cap.
+#[test]
+fn a_softcap_beyond_f32_is_an_error_in_f32_only() -> Result<()> {
+    let q = randn(&[1, 1, 2, 4])?;
+    let opts = SdpaOptions::new().with_softcap(1e39);
+    for backend in [Backend::Auto, Backend::Reference] {
+        let msg = err_msg(scaled_dot_product_attention(
+            &q,
+            &q,
+            &q,
+            &opts.clone().with_backend(backend),
+        ));
+        assert!(
+            msg.contains("sdpa: softcap 1e39 is not a positive finite f32"),
+            "{backend:?}: {msg}"
+        );
+    }
+    // In f64 such a cap is a number like any other, and leaves the scores as they are.
+    let q = q.to_dtype(DType::F64)?;
+    let capped = scaled_dot_product_attention(&q, &q, &q, &opts)?.output;
+    let plain = scaled_dot_product_attention(&q, &q, &q, &SdpaOptions::new())?.output;
+    assert!(max_diff(&capped, &plain)? < 1e-12);
+    Ok(())
+}
