@@ -273,6 +273,8 @@ impl KvCache {
                 candle::bail!("KV cache overflow: capacity {max} tokens, holds {len}, cannot append {l} more")
             }
         }
+        // Before the cache changes, so that an error leaves it as it was.
+        let positions = positions(0..need)?;
         if need > cap || self.k.is_none() {
             let new_cap = match self.mode {
                 Mode::Fixed(max) => max,
@@ -289,7 +291,7 @@ impl KvCache {
         Ok(KvView {
             k: ck.narrow(SEQ, 0, need)?,
             v: cv.narrow(SEQ, 0, need)?,
-            positions: positions(0..need)?,
+            positions,
         })
     }
 

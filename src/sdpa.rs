@@ -237,7 +237,7 @@ pub(crate) fn check_dims(q: &Tensor, k: &Tensor, v: &Tensor, enable_gqa: bool) -
     for (what, shape) in [("scores", dims.score_shape()), ("output", dims.out_shape(ev))] {
         if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_none() {
             candle::bail!(
-                "sdpa: the {what} {shape:?} have more elements than usize can count \
+                "sdpa: the {what} shape {shape:?} has more elements than usize can count \
                  (query {qs:?}, key {ks:?}, value {vs:?})"
             )
         }

@@ -118,7 +118,7 @@ fn shapes_beyond_usize_are_errors() -> Result<()> {
         let opts = SdpaOptions::new().with_causal(true).with_backend(backend);
         let msg = err_msg(scaled_dot_product_attention(&q, &q, &q, &opts));
         assert!(
-            msg.contains("sdpa: the scores [8589934592, 8589934592] have more elements"),
+            msg.contains("sdpa: the scores shape [8589934592, 8589934592] has more elements"),
             "{msg}"
         );
     }
@@ -129,7 +129,7 @@ fn shapes_beyond_usize_are_errors() -> Result<()> {
     );
     let msg = err_msg(scaled_dot_product_attention(&q, &k, &v, &SdpaOptions::new()));
     assert!(
-        msg.contains("sdpa: the output [1, 1, 8589934592, 8589934592] have more elements"),
+        msg.contains("sdpa: the output shape [1, 1, 8589934592, 8589934592] has more elements"),
         "{msg}"
     );
     let msg = err_msg(kcpu::sdpa(&q, &k, &v, None, None, 1.0));
@@ -179,13 +179,16 @@ fn allocations_too_large_for_memory_are_errors() -> Result<()> {
     let kv = zeros(&[1, 1, 1, 1 << 16])?;
     let msg = err_msg(cache.append(&kv, &kv));
     assert!(msg.contains("cannot allocate"), "{msg}");
-    // An empty batch carries any length: its positions cannot be allocated.
+    // An empty batch carries any length: its positions cannot be allocated, and the
+    // cache is left as it was.
+    let mut cache = KvCache::new();
     let kv = zeros(&[0, 1, 1 << 61, 1])?;
-    let msg = err_msg(KvCache::new().append(&kv, &kv));
+    let msg = err_msg(cache.append(&kv, &kv));
     assert!(
         msg.contains("KV cache: cannot allocate the positions of 2305843009213693952 tokens"),
         "{msg}"
     );
+    assert_eq!(cache.len(), 0);
     // A rope of 2^62 frequencies.
     let d = 1usize << 63;
     let rope = RotaryEmbedding::new(&RopeConfig {

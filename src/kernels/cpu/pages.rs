@@ -298,6 +298,32 @@ mod tests {
         Ok(())
     }
 
+    /// Small sizes of each element type (below the huge-page size, so no `madvise`;
+    /// Miri runs it too: `cargo +nightly miri test --lib zeroed_vec`), and a size the
+    /// allocator refuses.
+    #[test]
+    fn zeroed_vec_gives_zeros_or_an_error() -> Result<()> {
+        fn check<T: ZeroBits + PartialEq + Default + std::fmt::Debug>() -> Result<()> {
+            for n in [0, 1, 7, 1000] {
+                let mut v = zeroed_vec::<T>(n)?;
+                assert_eq!((v.len(), v.capacity()), (n, n));
+                assert!(v.iter().all(|x| *x == T::default()));
+                // The vector owns its memory as any other: it can grow and be freed.
+                v.push(T::default());
+                assert_eq!(v.len(), n + 1);
+            }
+            Ok(())
+        }
+        check::<f32>()?;
+        check::<f64>()?;
+        check::<u8>()?;
+        check::<u16>()?;
+        check::<u32>()?;
+        check::<i64>()?;
+        assert!(zeroed_vec::<f32>(usize::MAX / 2).is_err());
+        Ok(())
+    }
+
     #[test]
     fn advised_outputs_keep_what_is_written() {
         let n = HUGE_OUTPUT_BYTES / 4 + 1000;
