@@ -301,18 +301,21 @@ impl MultiheadAttention {
             extra_keys += 1;
         }
         if let Some(am) = args.attn_mask {
-            let am4 =
-                match (am.dims(), unbatched) {
-                    (&[ml, ms], _) if ml == l && ms == s => am.reshape((1, 1, l, s))?,
-                    (&[nh, ml, ms], false) if n.checked_mul(h) == Some(nh) && ml == l && ms == s => {
-                        am.reshape((n, h, l, s))?
-                    }
-                    (&[nh, ml, ms], true) if nh == h && ml == l && ms == s => am.reshape((1, h, l, s))?,
-                    (d, _) => candle::bail!(
-                    "MultiheadAttention: attn_mask must have shape ({l}, {s}) or ({}, {l}, {s}), got {d:?}",
-                    if unbatched { h.to_string() } else { format!("{n}·{h}") }
+            // (N·H, L, S), or (H, L, S) unbatched; N·H in full, as empty inputs allow any N.
+            let (batch, heads_dim) = if unbatched {
+                (1, h.to_string())
+            } else {
+                (n, format!("{n}·{h}"))
+            };
+            let am4 = match am.dims() {
+                &[ml, ms] if ml == l && ms == s => am.reshape((1, 1, l, s))?,
+                &[nh, ml, ms] if batch.checked_mul(h) == Some(nh) && ml == l && ms == s => {
+                    am.reshape((batch, h, l, s))?
+                }
+                d => candle::bail!(
+                    "MultiheadAttention: attn_mask must have shape ({l}, {s}) or ({heads_dim}, {l}, {s}), got {d:?}"
                 ),
-                };
+            };
             // Appended keys are never masked by attn_mask (PyTorch pads it with zeros).
             let am4 = am4.pad_with_zeros(D::Minus1, 0, extra_keys)?;
             mask = mask.and(&if am.dtype().is_float() {
