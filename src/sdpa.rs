@@ -233,12 +233,21 @@ pub(crate) fn check_dims(q: &Tensor, k: &Tensor, v: &Tensor, enable_gqa: bool) -
         ev,
         headless,
     };
-    // With a zero-sized E, L·S and L·Ev can exceed what the inputs hold.
-    for (what, shape) in [("scores", dims.score_shape()), ("output", dims.out_shape(ev))] {
-        if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_none() {
+    // With a zero-sized E, L·S and L·Ev can exceed what the inputs hold. (Counted
+    // without building the shapes: this runs on every call.)
+    let count = |last: usize| {
+        let rows = [dims.hq, l, last];
+        dims.lead
+            .iter()
+            .chain(&rows)
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+    };
+    for (what, last) in [("scores", s), ("output", ev)] {
+        if count(last).is_none() {
             candle::bail!(
-                "sdpa: the {what} shape {shape:?} has more elements than usize can count \
-                 (query {qs:?}, key {ks:?}, value {vs:?})"
+                "sdpa: the {what} shape {:?} has more elements than usize can count \
+                 (query {qs:?}, key {ks:?}, value {vs:?})",
+                dims.out_shape(last)
             )
         }
     }

@@ -4,7 +4,7 @@
 //! zero-sized dimension beside a huge one, which empty tensors allow.
 mod common;
 
-use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, HfConfig, QkvLayout};
+use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, HfConfig};
 use candle_attention::kernels::cpu as kcpu;
 use candle_attention::{
     scaled_dot_product_attention, AttnMask, Backend, KvCache, MhaArgs, MultiheadAttention,
@@ -12,7 +12,7 @@ use candle_attention::{
 };
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
-use common::{err_msg, max_diff, randn};
+use common::{err_msg, max_diff, plain_decoder, plain_decoder_weights, randn};
 
 fn zeros(shape: &[usize]) -> Result<Tensor> {
     Tensor::zeros(shape, DType::F32, &Device::Cpu)
@@ -51,31 +51,11 @@ fn layer_indices_at_usize_max_follow_the_layer_patterns() -> Result<()> {
 #[test]
 fn a_huge_window_over_a_rotating_cache_sees_every_held_key() -> Result<()> {
     let cfg = |w: usize| DecoderAttentionConfig {
-        hidden_size: 8,
-        num_heads: 1,
-        num_kv_heads: 1,
-        head_dim: 8,
-        layout: QkvLayout::separate(false, false, false, false),
-        qk_norm: None,
-        rope: None,
-        alibi: false,
-        softcap: None,
-        sinks: false,
         sliding_window: Some(w),
-        bidirectional: false,
         scale: 1.0,
-        cross_attention: false,
-        max_position_embeddings: None,
+        ..plain_decoder(8)
     };
-    let vb = || -> Result<VarBuilder<'static>> {
-        let w = |n: &str| -> Result<(String, Tensor)> { Ok((format!("{n}.weight"), randn(&[8, 8])?)) };
-        let map = ["q_proj", "k_proj", "v_proj", "o_proj"]
-            .map(w)
-            .into_iter()
-            .collect::<Result<_>>()?;
-        Ok(VarBuilder::from_tensors(map, DType::F32, &Device::Cpu))
-    };
-    let weights = vb()?;
+    let weights = plain_decoder_weights(8)?;
     let huge = DecoderAttention::new(&cfg(usize::MAX), weights.clone())?;
     let wide = DecoderAttention::new(&cfg(1000), weights)?;
     let (mut c_huge, mut c_wide) = (KvCache::rotating(2)?, KvCache::rotating(2)?);

@@ -8,7 +8,7 @@ use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, HfConf
 use candle_attention::{KvCache, Proj, RopeConfig, RopeScaling, RopeStyle, RotaryEmbedding};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
-use common::{err_msg, randn};
+use common::{err_msg, plain_decoder, plain_decoder_weights, randn};
 
 fn rope(scaling: RopeScaling, theta: f64) -> Result<RotaryEmbedding> {
     RotaryEmbedding::new(&RopeConfig {
@@ -124,27 +124,11 @@ fn layers_refuse_integer_inputs() -> Result<()> {
     let msg = err_msg(alibi_bias(&[0.5], &[1, 3], DType::U8, &dev));
     assert!(msg.contains("float") && msg.contains("U8"), "{msg}");
     let cfg = DecoderAttentionConfig {
-        hidden_size: 4,
-        num_heads: 1,
-        num_kv_heads: 1,
-        head_dim: 4,
-        layout: QkvLayout::separate(false, false, false, false),
-        qk_norm: None,
-        rope: None,
-        alibi: false,
-        softcap: None,
-        sinks: false,
-        sliding_window: None,
-        bidirectional: false,
         scale: 0.5,
         cross_attention: true,
-        max_position_embeddings: None,
+        ..plain_decoder(4)
     };
-    let m: HashMap<String, Tensor> = ["q_proj", "k_proj", "v_proj", "o_proj"]
-        .iter()
-        .map(|n| Ok((format!("{n}.weight"), randn(&[4, 4])?)))
-        .collect::<Result<_>>()?;
-    let layer = DecoderAttention::new(&cfg, VarBuilder::from_tensors(m, DType::F32, &dev))?;
+    let layer = DecoderAttention::new(&cfg, plain_decoder_weights(4)?)?;
     let msg = err_msg(layer.forward(&Tensor::zeros((1, 2, 4), DType::U32, &dev)?));
     assert!(msg.contains("float") && msg.contains("U32"), "{msg}");
     // Cross-attention keeps every encoder key: a rotating cache would drop some.
@@ -402,29 +386,24 @@ fn llama3_rope_needs_high_freq_factor_above_low_freq_factor() {
     }
 }
 
-/// Position ids that are not a `(B, L)` matrix.
+/// Position ids that are not a `(B, L)` matrix of integers, given to the rope directly.
 #[test]
-fn rope_refuses_position_ids_of_another_rank() -> Result<()> {
+fn rope_refuses_position_ids_of_another_rank_or_dtype() -> Result<()> {
     let r = rope(RopeScaling::Default, 1e4)?;
-    let pos = Tensor::new(&[0i64, 1, 2], &Device::Cpu)?;
-    let msg = err_msg(r.cos_sin(&pos, DType::F32));
-    assert!(
-        msg.contains("rope: position_ids must be (B, L), got [3]"),
-        "{msg}"
-    );
-    Ok(())
-}
-
-/// Float position ids given to the rope directly.
-#[test]
-fn rope_refuses_float_position_ids() -> Result<()> {
-    let r = rope(RopeScaling::Default, 1e4)?;
-    let pos = Tensor::new(&[[0f32, 1.0, 2.0]], &Device::Cpu)?;
-    let msg = err_msg(r.cos_sin(&pos, DType::F32));
-    assert!(
-        msg.contains("rope: position_ids must be integers, got F32"),
-        "{msg}"
-    );
+    let cases = [
+        (
+            Tensor::new(&[0i64, 1, 2], &Device::Cpu)?,
+            "rope: position_ids must be (B, L), got [3]",
+        ),
+        (
+            Tensor::new(&[[0f32, 1.0, 2.0]], &Device::Cpu)?,
+            "rope: position_ids must be integers, got F32",
+        ),
+    ];
+    for (pos, want) in cases {
+        let msg = err_msg(r.cos_sin(&pos, DType::F32));
+        assert!(msg.contains(want), "{msg}");
+    }
     Ok(())
 }
 

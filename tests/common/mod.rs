@@ -44,3 +44,36 @@ pub fn err_msg<T: std::fmt::Debug>(r: Result<T>) -> String {
         Err(e) => e.to_string(),
     }
 }
+
+/// The plainest decoder layer: one head of `hidden` features, separate q/k/v/o
+/// projections without biases, no rope, norm, window, ALiBi, softcap or sinks. Tests
+/// change the fields they need with `..plain_decoder(h)`.
+pub fn plain_decoder(hidden: usize) -> candle_attention::decoder::DecoderAttentionConfig {
+    use candle_attention::decoder::{DecoderAttentionConfig, QkvLayout};
+    DecoderAttentionConfig {
+        hidden_size: hidden,
+        num_heads: 1,
+        num_kv_heads: 1,
+        head_dim: hidden,
+        layout: QkvLayout::separate(false, false, false, false),
+        qk_norm: None,
+        rope: None,
+        alibi: false,
+        softcap: None,
+        sinks: false,
+        sliding_window: None,
+        bidirectional: false,
+        scale: 1.0 / (hidden as f64).sqrt(),
+        cross_attention: false,
+        max_position_embeddings: None,
+    }
+}
+
+/// Random `(hidden, hidden)` weights for [`plain_decoder`]'s four projections.
+pub fn plain_decoder_weights(hidden: usize) -> Result<candle_nn::VarBuilder<'static>> {
+    let map = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        .iter()
+        .map(|n| Ok((format!("{n}.weight"), randn(&[hidden, hidden])?)))
+        .collect::<Result<_>>()?;
+    Ok(candle_nn::VarBuilder::from_tensors(map, DType::F32, &Device::Cpu))
+}
