@@ -123,11 +123,7 @@ fn layers_refuse_integer_inputs() -> Result<()> {
     assert!(msg.contains("float") && msg.contains("U32"), "{msg}");
     let msg = err_msg(alibi_bias(&[0.5], &[1, 3], DType::U8, &dev));
     assert!(msg.contains("float") && msg.contains("U8"), "{msg}");
-    let cfg = DecoderAttentionConfig {
-        scale: 0.5,
-        cross_attention: true,
-        ..plain_decoder(4)
-    };
+    let cfg = tiny(QkvLayout::separate(false, false, false, false), true);
     let layer = DecoderAttention::new(&cfg, plain_decoder_weights(4)?)?;
     let msg = err_msg(layer.forward(&Tensor::zeros((1, 2, 4), DType::U32, &dev)?));
     assert!(msg.contains("float") && msg.contains("U32"), "{msg}");
@@ -162,21 +158,9 @@ fn a_projection_of_no_input_features_gives_the_bias() -> Result<()> {
 /// A self- or cross-attention layer of width 4 with one head of size 4, no rope.
 fn tiny(layout: QkvLayout, cross_attention: bool) -> DecoderAttentionConfig {
     DecoderAttentionConfig {
-        hidden_size: 4,
-        num_heads: 1,
-        num_kv_heads: 1,
-        head_dim: 4,
         layout,
-        qk_norm: None,
-        rope: None,
-        alibi: false,
-        softcap: None,
-        sinks: false,
-        sliding_window: None,
-        bidirectional: false,
-        scale: 0.5,
         cross_attention,
-        max_position_embeddings: None,
+        ..plain_decoder(4)
     }
 }
 
