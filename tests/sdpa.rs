@@ -2,7 +2,7 @@
 mod common;
 use candle_attention::{scaled_dot_product_attention, sdpa, AttnMask, Backend, SdpaOptions};
 use candle_core::{DType, Device, Result, Tensor, D};
-use common::{err_msg, max_diff, randn};
+use common::{all_zero, err_msg, max_diff, randn};
 
 /// softmax(q kᵀ · scale) v written out for one (L, E) head, as an independent check.
 fn naive_head(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
@@ -331,6 +331,60 @@ fn fused_backend_errors_when_it_cannot_run() -> Result<()> {
                 "{cap}: {msg}"
             );
         }
+    }
+    Ok(())
+}
+
+/// burn's `quiet_softmax` (`exp(s_i) / (1 + Σ_j exp(s_j))`, "attention is off by one") is
+/// a sink of logit 0 in every head, as the README's peer table says. Checked on both
+/// backends against that formula written out in f64, over 70 keys (two of the fused
+/// kernel's key blocks), with a bool mask whose first row hides every key: quiet
+/// softmax gives 0 there too.
+#[test]
+fn quiet_softmax_is_a_zero_sink() -> Result<()> {
+    let (b, h, l, s, e, ev) = (2, 3, 5, 70, 8, 6);
+    let (q, k, v) = (randn(&[b, h, l, e])?, randn(&[b, h, s, e])?, randn(&[b, h, s, ev])?);
+    // keep[i][j] = 0 for the whole of row 0 and for every third key of the other rows.
+    let keep: Vec<u8> = (0..l * s)
+        .map(|ij| u8::from(ij / s != 0 && (ij % s) % 3 != 0))
+        .collect();
+    let keep = Tensor::from_vec(keep, (l, s), &Device::Cpu)?;
+    let scale = 0.5 / (e as f64).sqrt();
+    let f = |t: &Tensor| t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>();
+    let (qv, kv, vv, mv) = (f(&q)?, f(&k)?, f(&v)?, f(&keep)?);
+    let mut want = vec![0f64; b * h * l * ev];
+    for bh in 0..b * h {
+        for i in 0..l {
+            let (mut num, mut den) = (vec![0f64; ev], 1f64);
+            for j in (0..s).filter(|&j| mv[i * s + j] != 0.0) {
+                let dot: f64 = (0..e)
+                    .map(|c| qv[(bh * l + i) * e + c] * kv[(bh * s + j) * e + c])
+                    .sum();
+                let p = (scale * dot).exp();
+                den += p;
+                for (c, n) in num.iter_mut().enumerate() {
+                    *n += p * vv[(bh * s + j) * ev + c];
+                }
+            }
+            for c in 0..ev {
+                want[(bh * l + i) * ev + c] = num[c] / den;
+            }
+        }
+    }
+    let want = Tensor::from_vec(want, (b, h, l, ev), &Device::Cpu)?;
+    let zero_sinks = Tensor::zeros(h, DType::F32, &Device::Cpu)?;
+    for backend in [Backend::Reference, Backend::Fused] {
+        let opts = SdpaOptions::new()
+            .with_mask(AttnMask::keep(&keep)?)
+            .with_scale(scale)
+            .with_backend(backend);
+        let out = sdpa(&q, &k, &v, &opts.clone().with_sinks(zero_sinks.clone()))?;
+        let err = max_diff(&out, &want)?;
+        assert!(err < 1e-5, "{backend:?}: {err}");
+        assert!(all_zero(&out.narrow(2, 0, 1)?)?, "{backend:?}");
+        // Without the sink the softmax is PyTorch's, which this formula is not.
+        let plain = max_diff(&sdpa(&q, &k, &v, &opts)?, &want)?;
+        assert!(plain > 1e-3, "{backend:?}: {plain}");
     }
     Ok(())
 }
