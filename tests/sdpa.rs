@@ -343,7 +343,11 @@ fn fused_backend_errors_when_it_cannot_run() -> Result<()> {
 #[test]
 fn quiet_softmax_is_a_zero_sink() -> Result<()> {
     let (b, h, l, s, e, ev) = (2, 3, 5, 70, 8, 6);
-    let (q, k, v) = (randn(&[b, h, l, e])?, randn(&[b, h, s, e])?, randn(&[b, h, s, ev])?);
+    let (q, k, v) = (
+        randn(&[b, h, l, e])?,
+        randn(&[b, h, s, e])?,
+        randn(&[b, h, s, ev])?,
+    );
     // keep[i][j] = 0 for the whole of row 0 and for every third key of the other rows.
     let keep: Vec<u8> = (0..l * s)
         .map(|ij| u8::from(ij / s != 0 && (ij % s) % 3 != 0))
