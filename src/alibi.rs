@@ -1,21 +1,30 @@
 //! ALiBi: a per-head linear bias on key positions (Press et al.; BLOOM, MPT).
 use candle::{DType, Device, Result, Tensor};
 
-/// The per-head slopes, by BLOOM's rule: the geometric series for the largest power of
-/// two `≤ num_heads`, then every other term of the series for twice that many heads.
-pub fn alibi_slopes(num_heads: usize) -> Vec<f64> {
+/// The per-head slopes `(num_heads)`, by BLOOM's rule: the geometric series for the
+/// largest power of two `≤ num_heads`, then every other term of the series for twice
+/// that many heads. An error when `num_heads` slopes do not fit in memory.
+pub fn alibi_slopes(num_heads: usize) -> Result<Vec<f64>> {
+    let mut slopes = Vec::new();
+    slopes.try_reserve_exact(num_heads).map_err(|e| {
+        candle::Error::Msg(format!(
+            "alibi: cannot allocate the slopes of {num_heads} heads: {e}"
+        ))
+    })?;
     if num_heads == 0 {
-        return Vec::new();
+        return Ok(slopes);
     }
+    // `base^p`; `powi` takes an i32, which a count of heads may pass.
+    let pow = |base: f64, p: usize| i32::try_from(p).map_or_else(|_| base.powf(p as f64), |p| base.powi(p));
     let closest = 1usize << (usize::BITS - 1 - num_heads.leading_zeros());
     let base = 2f64.powf(-(2f64.powf(-((closest as f64).log2() - 3.0))));
-    let mut slopes: Vec<f64> = (1..=closest).map(|p| base.powi(p as i32)).collect();
+    slopes.extend((1..=closest).map(|p| pow(base, p)));
     if closest != num_heads {
         let extra_base = 2f64.powf(-(2f64.powf(-((2.0 * closest as f64).log2() - 3.0))));
         let remaining = closest.min(num_heads - closest);
-        slopes.extend((0..remaining).map(|i| extra_base.powi((2 * i + 1) as i32)));
+        slopes.extend((0..remaining).map(|i| pow(extra_base, 2 * i + 1)));
     }
-    slopes
+    Ok(slopes)
 }
 
 /// The additive bias `slope_h · position_j`, shape `(1, H, 1, S)`, in `dtype`.

@@ -4,6 +4,7 @@
 //! zero-sized dimension beside a huge one, which empty tensors allow.
 mod common;
 
+use candle_attention::alibi::alibi_slopes;
 use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, HfConfig};
 use candle_attention::kernels::cpu as kcpu;
 use candle_attention::{
@@ -181,6 +182,12 @@ fn allocations_too_large_for_memory_are_errors() -> Result<()> {
     let msg = err_msg(rope);
     assert!(
         msg.contains("rope: cannot allocate the 4611686018427387904 frequencies"),
+        "{msg}"
+    );
+    // ALiBi slopes for 2^61 heads (16 EiB).
+    let msg = err_msg(alibi_slopes(1 << 61));
+    assert!(
+        msg.contains("alibi: cannot allocate the slopes of 2305843009213693952 heads"),
         "{msg}"
     );
     Ok(())

@@ -155,7 +155,7 @@ impl DecoderAttention {
             q_norm,
             k_norm,
             rope,
-            alibi: cfg.alibi.then(|| alibi_slopes(h)),
+            alibi: cfg.alibi.then(|| alibi_slopes(h)).transpose()?,
             sinks,
             backend: Backend::Auto,
         })
