@@ -15,7 +15,10 @@ pub fn alibi_slopes(num_heads: usize) -> Result<Vec<f64>> {
         return Ok(slopes);
     }
     // `base^p`; `powi` takes an i32, which a count of heads may pass.
-    let pow = |base: f64, p: usize| i32::try_from(p).map_or_else(|_| base.powf(p as f64), |p| base.powi(p));
+    let pow = |base: f64, p: usize| match i32::try_from(p) {
+        Ok(p) => base.powi(p),
+        Err(_) => base.powf(p as f64),
+    };
     let closest = 1usize << (usize::BITS - 1 - num_heads.leading_zeros());
     let base = 2f64.powf(-(2f64.powf(-((closest as f64).log2() - 3.0))));
     slopes.extend((1..=closest).map(|p| pow(base, p)));
