@@ -53,11 +53,17 @@ pub(crate) fn applies_in_place(x: &Tensor, w: &Tensor) -> bool {
         return false;
     };
     let inp = w.dims2().map_or(0, |d| d.1);
-    let e_ok = match Isa::selected() {
-        Isa::Avx512 => w.dtype() == DType::F32 || inp.is_multiple_of(16),
-        _ => inp.is_multiple_of(8),
-    };
-    (1..tile).contains(&rows) && e_ok
+    (1..tile).contains(&rows) && reads_in_place(Isa::selected(), w.dtype(), inp)
+}
+
+/// Whether `isa` has the dot-product kernels of [`linear_in_place`] and they read rows
+/// of `inp` elements of `dtype`.
+fn reads_in_place(isa: Isa, dtype: DType, inp: usize) -> bool {
+    match isa {
+        Isa::Avx512 => dtype == DType::F32 || inp.is_multiple_of(16),
+        Isa::Avx2Fma => inp.is_multiple_of(8),
+        _ => false,
+    }
 }
 
 /// Outputs per call of the dot-product kernel in [`linear_in_place`]: their weight rows
@@ -71,8 +77,18 @@ const IN_PLACE_OUTPUTS: usize = 16;
 /// pack cache has no room for still streams once per call, in its own dtype. Callers
 /// check [`applies_in_place`] first; shapes are validated again here.
 pub(crate) fn linear_in_place(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    linear_in_place_on(Isa::selected(), x, w, b)
+}
+
+/// [`linear_in_place`] on `selected`'s kernels if they read the weight's rows, else on
+/// the first of the machine's that do. `applies_in_place` saw a selected instruction set
+/// that reads them, but another thread may have changed `CANDLE_ATTENTION_ISA` since.
+fn linear_in_place_on(selected: Isa, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let (out, inp) = w.dims2()?;
-    let isa = Isa::selected();
+    let isa = [selected, Isa::Avx512, Isa::Avx2Fma]
+        .into_iter()
+        .find(|&isa| isa.is_supported() && reads_in_place(isa, w.dtype(), inp))
+        .expect("`applies_in_place` found an instruction set that reads these rows");
     let wc = w.contiguous()?;
     let (wg, wl) = wc.storage_and_layout();
     let wd = weight_data(&wg, wl, w)?;
@@ -98,13 +114,13 @@ pub(crate) fn linear_in_place(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Res
                     let nk = IN_PLACE_OUTPUTS.min(n - j);
                     let k = slice_rows(wd, (o0 + j) * inp, (o0 + j + nk) * inp);
                     let sj = &mut s[j..];
-                    // SAFETY: `applies_in_place` selected this instruction set, so the
-                    // machine has it, and checked the contraction length it needs; the
-                    // kernels assert the slice bounds.
+                    // SAFETY: `isa` is supported by this machine and reads rows of
+                    // `inp` elements (`reads_in_place`); the kernels assert the slice
+                    // bounds.
                     unsafe {
                         match isa {
                             Isa::Avx512 => avx512::qk_dot_raw(&q, padded, rows, inp, k, inp, nk, sj, n),
-                            // `tile_rows` admits only these two.
+                            // `reads_in_place` admits only these two.
                             _ => avx2::qk_dot(&q, padded, rows, inp, k, inp, nk, sj, n),
                         }
                     }
@@ -438,12 +454,29 @@ fn product(
     xv: &[f32],
     wp: &[f32],
     bv: Option<&[f32]>,
+    dims: (usize, usize, usize),
+    y: &mut [MaybeUninit<f32>],
+) {
+    product_on(Isa::selected(), xv, wp, bv, dims, y)
+}
+
+/// [`product`] on `selected`'s kernel, or on the machine's best when `selected` has no
+/// product. `applies` saw a selected instruction set with a product, but another thread
+/// may have changed `CANDLE_ATTENTION_ISA` since (to `portable`, say); the machine's best
+/// then has a product too.
+fn product_on(
+    selected: Isa,
+    xv: &[f32],
+    wp: &[f32],
+    bv: Option<&[f32]>,
     (rows, inp, out): (usize, usize, usize),
     y: &mut [MaybeUninit<f32>],
 ) {
     assert_eq!(y.len(), rows * out);
-    let isa = Isa::selected();
-    let tile = tile_rows(isa).expect("`applies` selected an instruction set with a product");
+    let (isa, tile) = [selected, Isa::detect()]
+        .into_iter()
+        .find_map(|isa| tile_rows(isa).map(|tile| (isa, tile)))
+        .expect("`applies` found an instruction set with a product on this machine");
     if rows.div_ceil(tile) < par::threads() {
         return product_by_columns(xv, wp, bv, (rows, inp, out), y, isa);
     }
@@ -604,6 +637,80 @@ fn weight_data<'a>(st: &'a Storage, lay: &candle::Layout, t: &Tensor) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A product whose selected instruction set has no kernel (`CANDLE_ATTENTION_ISA`
+    /// changed to `portable` by another thread after `applies` looked) runs on the
+    /// machine's best and equals an f64 product, in both the column-split and the
+    /// row-block schedules. It panicked before.
+    #[test]
+    fn a_selection_without_a_product_runs_on_the_machines_best() -> Result<()> {
+        let Some(tile) = tile_rows(Isa::detect()) else {
+            eprintln!("no x86-64 product on this machine: nothing to check");
+            return Ok(());
+        };
+        let (inp, out) = (100, 37);
+        let w = Tensor::randn(0f32, 1.0, (out, inp), &candle::Device::Cpu)?;
+        let wv = w.to_vec2::<f32>()?;
+        let (wg, wl) = w.storage_and_layout();
+        let wd = weight_data(&wg, wl, &w)?;
+        let mut wp = vec![0f32; out.div_ceil(NR) * inp * NR];
+        pack_into(wd, (out, inp), &mut wp);
+        for rows in [1, 4 * tile * par::threads() + 1] {
+            let x: Vec<f32> = (0..rows * inp)
+                .map(|i| ((i * 7919) % 61) as f32 / 30.0 - 1.0)
+                .collect();
+            let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
+            product_on(Isa::Portable, &x, &wp, None, (rows, inp, out), &mut y);
+            for r in 0..rows {
+                for o in 0..out {
+                    let want: f64 = (0..inp).map(|k| x[r * inp + k] as f64 * wv[o][k] as f64).sum();
+                    // SAFETY: `product_on` writes every element.
+                    let got = unsafe { y[r * out + o].assume_init() } as f64;
+                    assert!(
+                        (got - want).abs() < 1e-4,
+                        "rows {rows} ({r}, {o}): {got} vs {want}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Rows read in place when the selected instruction set cannot read them: `portable`
+    /// (no dot-product kernels), and, on an AVX-512 machine, AVX2 against f32 rows of 20
+    /// elements (its kernels read multiples of 8, and asserted before). Both run on an
+    /// instruction set of the machine that reads them and equal an f64 product.
+    #[test]
+    fn rows_in_place_run_on_an_instruction_set_that_reads_them() -> Result<()> {
+        if !Isa::Avx2Fma.is_supported() {
+            eprintln!("no AVX2: nothing to check");
+            return Ok(());
+        }
+        let dev = candle::Device::Cpu;
+        let mut cases = vec![(Isa::Portable, 96)];
+        if Isa::Avx512.is_supported() {
+            cases.push((Isa::Avx2Fma, 20));
+        }
+        for (selected, inp) in cases {
+            let (rows, out) = (3, 40);
+            let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
+            let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?;
+            let got = linear_in_place_on(selected, &x, &w, None)?.to_vec2::<f32>()?;
+            let (xv, wv) = (x.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
+            for r in 0..rows {
+                for o in 0..out {
+                    let want: f64 = (0..inp).map(|k| xv[r][k] as f64 * wv[o][k] as f64).sum();
+                    let d = (got[r][o] as f64 - want).abs();
+                    assert!(
+                        d < 1e-4,
+                        "{selected:?} in {inp} ({r}, {o}): {} vs {want}",
+                        got[r][o]
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
 
     /// The column-split product of a few rows (a decode step) equals an f64 product:
     /// every row count below two register tiles, output counts of one panel, an odd
