@@ -169,6 +169,14 @@ fn zero_layer(cfg: &DecoderAttentionConfig) -> Result<DecoderAttention> {
     DecoderAttention::new(cfg, VarBuilder::zeros(DType::F32, &Device::Cpu))
 }
 
+/// [`plain_decoder`]'s layer of hidden size 4 with every weight 0, cross-attention or not.
+fn plain_layer(cross_attention: bool) -> Result<DecoderAttention> {
+    zero_layer(&DecoderAttentionConfig {
+        cross_attention,
+        ..plain_decoder(4)
+    })
+}
+
 /// Layer `layer_idx` of `arch` from the config.json text `json`.
 fn from_hf(arch: &str, json: &str, layer_idx: usize) -> Result<DecoderAttentionConfig> {
     DecoderAttentionConfig::from_hf(arch, &HfConfig::from_json(json)?, layer_idx, false)
@@ -255,13 +263,13 @@ fn packed_qkv_without_gqa_refuses_fewer_kv_heads() -> Result<()> {
 /// Hidden or encoder states that are not `(B, L, hidden)` tensors of rank 3.
 #[test]
 fn hidden_states_of_another_rank_are_refused() -> Result<()> {
-    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), false))?;
+    let layer = plain_layer(false)?;
     let msg = err_msg(layer.forward(&randn(&[2, 4])?));
     assert!(
         msg.contains("hidden_states must be (B, L, hidden), got [2, 4]"),
         "{msg}"
     );
-    let cross = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), true))?;
+    let cross = plain_layer(true)?;
     let x = randn(&[1, 2, 4])?;
     let msg = err_msg(cross.forward_cross(&x, Some(&randn(&[1, 1, 3, 4])?), None));
     assert!(
@@ -274,7 +282,7 @@ fn hidden_states_of_another_rank_are_refused() -> Result<()> {
 /// Float position ids: positions are indices, as in PyTorch.
 #[test]
 fn layer_refuses_float_position_ids() -> Result<()> {
-    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), false))?;
+    let layer = plain_layer(false)?;
     let pos = Tensor::new(&[[0f32, 1.0]], &Device::Cpu)?;
     let msg = err_msg(layer.forward_cached(&randn(&[1, 2, 4])?, &pos, None, None));
     assert!(msg.contains("position_ids must be integers, got F32"), "{msg}");
@@ -284,7 +292,7 @@ fn layer_refuses_float_position_ids() -> Result<()> {
 /// Self-attention (`forward`, `forward_cached`) on a cross-attention layer.
 #[test]
 fn cross_attention_layer_refuses_self_attention() -> Result<()> {
-    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), true))?;
+    let layer = plain_layer(true)?;
     let x = randn(&[1, 2, 4])?;
     let msg = err_msg(layer.forward(&x));
     assert!(msg.contains("cross-attention layer; use forward_cross"), "{msg}");
@@ -297,7 +305,7 @@ fn cross_attention_layer_refuses_self_attention() -> Result<()> {
 /// A first cross-attention call (no cache, or an empty one) without encoder states.
 #[test]
 fn first_cross_attention_call_without_encoder_states_is_refused() -> Result<()> {
-    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), true))?;
+    let layer = plain_layer(true)?;
     let x = randn(&[1, 2, 4])?;
     for cache in [None, Some(&mut KvCache::new())] {
         let msg = err_msg(layer.forward_cross(&x, None, cache));
@@ -312,7 +320,7 @@ fn first_cross_attention_call_without_encoder_states_is_refused() -> Result<()> 
 /// Encoder states of another batch size than the decoder's hidden states.
 #[test]
 fn encoder_states_of_another_batch_are_refused() -> Result<()> {
-    let layer = zero_layer(&tiny(QkvLayout::separate(false, false, false, false), true))?;
+    let layer = plain_layer(true)?;
     let msg = err_msg(layer.forward_cross(&randn(&[1, 2, 4])?, Some(&randn(&[2, 3, 4])?), None));
     assert!(
         msg.contains("encoder_hidden_states [2, 3, 4] and hidden_states [1, 2, 4] disagree on the batch"),

@@ -638,6 +638,38 @@ fn weight_data<'a>(st: &'a Storage, lay: &candle::Layout, t: &Tensor) -> Result<
 mod tests {
     use super::*;
 
+    /// Asserts that `got(r, o)` equals `x · wᵀ (+ b)` computed in f64, for `x (rows, in)`
+    /// row-major and `w (out, in)`, within `1e-5 · (1 + √in)`; `what` names the case.
+    fn assert_matches_f64(
+        got: impl Fn(usize, usize) -> f32,
+        x: &[f32],
+        w: &[Vec<f32>],
+        b: Option<&[f32]>,
+        (rows, inp, out): (usize, usize, usize),
+        what: &str,
+    ) {
+        let tol = 1e-5 * (1.0 + (inp as f64).sqrt());
+        for r in 0..rows {
+            for o in 0..out {
+                let want: f64 = (0..inp)
+                    .map(|k| x[r * inp + k] as f64 * w[o][k] as f64)
+                    .sum::<f64>()
+                    + b.map_or(0.0, |b| b[o] as f64);
+                let g = got(r, o) as f64;
+                assert!(
+                    (g - want).abs() < tol,
+                    "{what} in {inp} out {out} rows {rows} ({r}, {o}): {g} vs {want}"
+                );
+            }
+        }
+    }
+
+    /// The elements of `y`, which the product under test wrote whole.
+    fn written(y: Vec<MaybeUninit<f32>>) -> Vec<f32> {
+        // SAFETY: the callers pass buffers that the product wrote in full.
+        y.into_iter().map(|v| unsafe { v.assume_init() }).collect()
+    }
+
     /// A product whose selected instruction set has no kernel (`CANDLE_ATTENTION_ISA`
     /// changed to `portable` by another thread after `applies` looked) runs on the
     /// machine's best and equals an f64 product, in both the column-split and the
@@ -648,7 +680,7 @@ mod tests {
             eprintln!("no x86-64 product on this machine: nothing to check");
             return Ok(());
         };
-        let (inp, out) = (100, 37);
+        let (inp, out) = (64, 37);
         let w = Tensor::randn(0f32, 1.0, (out, inp), &candle::Device::Cpu)?;
         let wv = w.to_vec2::<f32>()?;
         let (wg, wl) = w.storage_and_layout();
@@ -661,17 +693,9 @@ mod tests {
                 .collect();
             let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
             product_on(Isa::Portable, &x, &wp, None, (rows, inp, out), &mut y);
-            for r in 0..rows {
-                for o in 0..out {
-                    let want: f64 = (0..inp).map(|k| x[r * inp + k] as f64 * wv[o][k] as f64).sum();
-                    // SAFETY: `product_on` writes every element.
-                    let got = unsafe { y[r * out + o].assume_init() } as f64;
-                    assert!(
-                        (got - want).abs() < 1e-4,
-                        "rows {rows} ({r}, {o}): {got} vs {want}"
-                    );
-                }
-            }
+            let y = written(y);
+            let dims = (rows, inp, out);
+            assert_matches_f64(|r, o| y[r * out + o], &x, &wv, None, dims, "portable");
         }
         Ok(())
     }
@@ -687,7 +711,7 @@ mod tests {
             return Ok(());
         }
         let dev = candle::Device::Cpu;
-        let mut cases = vec![(Isa::Portable, 96)];
+        let mut cases = vec![(Isa::Portable, 64)];
         if Isa::Avx512.is_supported() {
             cases.push((Isa::Avx2Fma, 20));
         }
@@ -696,18 +720,9 @@ mod tests {
             let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
             let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?;
             let got = linear_in_place_on(selected, &x, &w, None)?.to_vec2::<f32>()?;
-            let (xv, wv) = (x.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
-            for r in 0..rows {
-                for o in 0..out {
-                    let want: f64 = (0..inp).map(|k| xv[r][k] as f64 * wv[o][k] as f64).sum();
-                    let d = (got[r][o] as f64 - want).abs();
-                    assert!(
-                        d < 1e-4,
-                        "{selected:?} in {inp} ({r}, {o}): {} vs {want}",
-                        got[r][o]
-                    );
-                }
-            }
+            let (xv, wv) = (x.flatten_all()?.to_vec1::<f32>()?, w.to_vec2::<f32>()?);
+            let what = format!("{selected:?}");
+            assert_matches_f64(|r, o| got[r][o], &xv, &wv, None, (rows, inp, out), &what);
         }
         Ok(())
     }
@@ -738,21 +753,9 @@ mod tests {
                 for bias in [None, Some(&b[..])] {
                     let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
                     product_by_columns(&x, &wp, bias, (rows, inp, out), &mut y, Isa::selected());
-                    for r in 0..rows {
-                        for o in 0..out {
-                            let want: f64 = (0..inp)
-                                .map(|k| x[r * inp + k] as f64 * wv[o][k] as f64)
-                                .sum::<f64>()
-                                + bias.map_or(0.0, |b| b[o] as f64);
-                            // SAFETY: `product_by_columns` writes every element.
-                            let got = unsafe { y[r * out + o].assume_init() } as f64;
-                            let tol = 1e-5 * (1.0 + (inp as f64).sqrt());
-                            assert!(
-                                (got - want).abs() < tol,
-                                "in {inp} out {out} rows {rows} ({r}, {o}): {got} vs {want}"
-                            );
-                        }
-                    }
+                    let y = written(y);
+                    let dims = (rows, inp, out);
+                    assert_matches_f64(|r, o| y[r * out + o], &x, &wv, bias, dims, "columns");
                 }
             }
         }
@@ -782,22 +785,13 @@ mod tests {
                     if !applies_in_place(&x, &w) {
                         continue;
                     }
-                    let xv = x.to_vec2::<f32>()?;
+                    let xv = x.flatten_all()?.to_vec1::<f32>()?;
                     for bias in [None, Some(&b)] {
                         let got = linear_in_place(&x, &w, bias)?.to_vec2::<f32>()?;
-                        for r in 0..rows {
-                            for o in 0..out {
-                                let want: f64 =
-                                    (0..inp).map(|k| xv[r][k] as f64 * wv[o][k] as f64).sum::<f64>()
-                                        + bias.map_or(0.0, |_| bv[o] as f64);
-                                let tol = 1e-5 * (1.0 + (inp as f64).sqrt());
-                                let g = got[r][o] as f64;
-                                assert!(
-                                    (g - want).abs() < tol,
-                                    "{wdt:?} in {inp} out {out} rows {rows} ({r}, {o}): {g} vs {want}"
-                                );
-                            }
-                        }
+                        let bv = bias.map(|_| &bv[..]);
+                        let dims = (rows, inp, out);
+                        let what = format!("{wdt:?}");
+                        assert_matches_f64(|r, o| got[r][o], &xv, &wv, bv, dims, &what);
                         checked += 1;
                     }
                 }
