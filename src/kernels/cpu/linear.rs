@@ -664,6 +664,22 @@ mod tests {
         }
     }
 
+    /// `w (out, in)` packed into 16-output panels, as the products read it.
+    fn packed(w: &Tensor) -> Result<Vec<f32>> {
+        let (out, inp) = w.dims2()?;
+        let (wg, wl) = w.storage_and_layout();
+        let mut wp = vec![0f32; out.div_ceil(NR) * inp * NR];
+        pack_into(weight_data(&wg, wl, w)?, (out, inp), &mut wp);
+        Ok(wp)
+    }
+
+    /// `rows · inp` deterministic inputs in [−1, 1], row-major.
+    fn rows_of(rows: usize, inp: usize) -> Vec<f32> {
+        (0..rows * inp)
+            .map(|i| ((i * 7919) % 61) as f32 / 30.0 - 1.0)
+            .collect()
+    }
+
     /// The elements of `y`, which the product under test wrote whole.
     fn written(y: Vec<MaybeUninit<f32>>) -> Vec<f32> {
         // SAFETY: the callers pass buffers that the product wrote in full.
@@ -682,15 +698,9 @@ mod tests {
         };
         let (inp, out) = (64, 37);
         let w = Tensor::randn(0f32, 1.0, (out, inp), &candle::Device::Cpu)?;
-        let wv = w.to_vec2::<f32>()?;
-        let (wg, wl) = w.storage_and_layout();
-        let wd = weight_data(&wg, wl, &w)?;
-        let mut wp = vec![0f32; out.div_ceil(NR) * inp * NR];
-        pack_into(wd, (out, inp), &mut wp);
+        let (wv, wp) = (w.to_vec2::<f32>()?, packed(&w)?);
         for rows in [1, 4 * tile * par::threads() + 1] {
-            let x: Vec<f32> = (0..rows * inp)
-                .map(|i| ((i * 7919) % 61) as f32 / 30.0 - 1.0)
-                .collect();
+            let x = rows_of(rows, inp);
             let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
             product_on(Isa::Portable, &x, &wp, None, (rows, inp, out), &mut y);
             let y = written(y);
@@ -740,16 +750,10 @@ mod tests {
         let dev = candle::Device::Cpu;
         for (inp, out) in [(100, 16), (64, 80), (771, 37), (1600, 129)] {
             let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?;
-            let (wg, wl) = w.storage_and_layout();
-            let wd = weight_data(&wg, wl, &w)?;
-            let mut wp = vec![0f32; out.div_ceil(NR) * inp * NR];
-            pack_into(wd, (out, inp), &mut wp);
+            let (wv, wp) = (w.to_vec2::<f32>()?, packed(&w)?);
             let b: Vec<f32> = (0..out).map(|o| o as f32 * 0.25 - 3.0).collect();
             for rows in 1..2 * tile {
-                let x: Vec<f32> = (0..rows * inp)
-                    .map(|i| ((i * 7919) % 61) as f32 / 30.0 - 1.0)
-                    .collect();
-                let wv = w.to_vec2::<f32>()?;
+                let x = rows_of(rows, inp);
                 for bias in [None, Some(&b[..])] {
                     let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
                     product_by_columns(&x, &wp, bias, (rows, inp, out), &mut y, Isa::selected());
