@@ -4,7 +4,7 @@
 //! cargo run --release --example bench -- [--json] [--case NAME | --shape B,Hq,Hkv,L,S,D[,causal|causal_br]] [--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S] [--no-peak | --peak-only] [--inputs FILE]
 //! ```
 //!
-//! `--shape` times SDPA on random inputs of any shape instead of the named cases (see
+//! `--help` lists the cases and implementations. `--shape` times SDPA on random inputs of any shape instead of the named cases (see
 //! [`parse_shape`]); `scripts/bench_vs_torch.py --shape` takes the same argument.
 //!
 //! Implementations (`impl`): `ours` (this crate, default dispatch), `candle_unfused`
@@ -1050,6 +1050,13 @@ fn report_peak(when: &str) {
     );
 }
 
+/// Usage line, printed by `--help`.
+const USAGE: &str = "usage: bench [--json] [--case NAME | --shape B,Hq,Hkv,L,S,D[,causal|causal_br]] \
+[--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S] [--no-peak | --peak-only] [--inputs FILE]";
+
+/// The implementations `--impl` can pick.
+const IMPLS: &[&str] = &["ours", "candle_unfused", "candle_flash"];
+
 fn main() -> Result<()> {
     let mut json = false;
     let mut only_case: Option<String> = None;
@@ -1062,28 +1069,57 @@ fn main() -> Result<()> {
     let mut inputs: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
+        // The value after the flag `a`, or an error that names it.
+        let mut value = |flag: &str| args.next().ok_or_else(|| anyhow::anyhow!("{flag} needs a value"));
         match a.as_str() {
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                println!(
+                    "cases: {}",
+                    CASES.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")
+                );
+                println!("impls: {}", IMPLS.join(", "));
+                return Ok(());
+            }
             "--json" => json = true,
             "--no-peak" => peak = false,
             "--peak-only" => {
                 report_peak("now");
                 return Ok(());
             }
-            "--case" => only_case = args.next(),
-            "--shape" => shape = Some(parse_shape(&args.next().unwrap_or_default())?),
-            "--impl" => only_impl = args.next(),
-            "--inputs" => inputs = args.next(),
+            "--case" => only_case = Some(value("--case")?),
+            "--shape" => shape = Some(parse_shape(&value("--shape")?)?),
+            "--impl" => {
+                let name = value("--impl")?;
+                if !IMPLS.contains(&name.as_str()) {
+                    bail!("--impl takes one of {}, got {name:?}", IMPLS.join(", "));
+                }
+                only_impl = Some(name);
+            }
+            "--inputs" => inputs = Some(value("--inputs")?),
             "--dtype" => {
-                only_dtype = Some(match args.next().as_deref() {
-                    Some("f32") => DType::F32,
-                    Some("bf16") => DType::BF16,
-                    Some("f16") => DType::F16,
+                only_dtype = Some(match value("--dtype")?.as_str() {
+                    "f32" => DType::F32,
+                    "bf16" => DType::BF16,
+                    "f16" => DType::F16,
                     other => bail!("--dtype takes f32, bf16 or f16, got {other:?}"),
                 })
             }
-            "--rounds" => rounds = args.next().unwrap_or_default().parse()?,
-            "--min-secs" => min_secs = args.next().unwrap_or_default().parse()?,
-            _ => bail!("unknown argument {a}"),
+            "--rounds" => {
+                let v = value("--rounds")?;
+                rounds = match v.parse() {
+                    Ok(n) if n >= 1 => n,
+                    _ => bail!("--rounds takes a whole number of at least 1, got {v:?}"),
+                };
+            }
+            "--min-secs" => {
+                let v = value("--min-secs")?;
+                min_secs = match v.parse::<f64>() {
+                    Ok(x) if x.is_finite() && x >= 0.0 => x,
+                    _ => bail!("--min-secs takes a finite number of seconds, at least 0, got {v:?}"),
+                };
+            }
+            _ => bail!("unknown argument {a} (--help lists them)"),
         }
     }
     if shape.is_some() && only_case.is_some() {

@@ -43,7 +43,17 @@ fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--steps" => extra = args.next().context("--steps takes a number")?.parse()?,
+            "--steps" => {
+                let v = args.next().context("--steps takes a number")?;
+                extra = v
+                    .parse()
+                    .with_context(|| format!("--steps takes a whole number, got {v:?}"))?;
+            }
+            "-h" | "--help" => {
+                println!("usage: decode [FIXTURE.safetensors] [--steps N]");
+                return Ok(());
+            }
+            s if s.starts_with("--") => bail!("unknown option {s}"),
             _ => path = PathBuf::from(a),
         }
     }

@@ -267,6 +267,10 @@ def main():
     # Internal: time one case of PyTorch alone and print its seconds per call.
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds takes a whole number of at least 1, got {args.rounds}")
+    if not (math.isfinite(args.min_secs) and args.min_secs >= 0):
+        ap.error(f"--min-secs takes a finite number of seconds, at least 0, got {args.min_secs}")
     if args.shape:
         if args.case:
             sys.exit("--shape and --case exclude each other")
