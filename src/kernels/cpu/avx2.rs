@@ -6,11 +6,12 @@
 //! dispatcher only selects `Isa::Avx2Fma` after runtime detection.
 
 use super::exp::avx2::{exp2_256, exp2_256_nonpos};
-use super::pack::{Data, BK, NR};
+use super::tiles::{BK, NR};
+use super::view::Data;
 use std::arch::x86_64::*;
 
 /// Rows per register tile.
-pub(super) const MR: usize = super::pack::MR;
+pub(super) const MR: usize = super::tiles::MR;
 
 /// See [`super::portable::qk`], except that Q is row-major (row stride `e`), not
 /// strip-packed (the 6-row tiles broadcast from the rows, [`rows_loop_6x16`]); `rows`
@@ -952,7 +953,7 @@ pub(crate) unsafe fn gemm(
     b: Option<&[f32]>,
     accumulate: bool,
 ) {
-    let npanels = super::pack::assert_gemm_operands(x, ldx, rows, (k0, k1, e), wp, out, ldy, b);
+    let npanels = super::tiles::assert_gemm_operands(x, ldx, rows, (k0, k1, e), wp, out, ldy, b);
     let (strips, tail) = (rows / GEMM_ROWS, rows % GEMM_ROWS);
     let bias = b.map_or(std::ptr::null(), |b| b.as_ptr());
     let kc = k1 - k0;

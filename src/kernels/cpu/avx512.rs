@@ -8,7 +8,8 @@
 //! AVX512DQ, for `vreduceps`); the dispatcher only selects `Isa::Avx512` after runtime
 //! detection of both.
 
-use super::pack::{Data, BK, MR, NR};
+use super::tiles::{BK, MR, NR};
+use super::view::Data;
 use std::arch::x86_64::*;
 
 /// 16-lane `2^x`: `x = n + f` (`n = floor(x)`, `0 ≤ f < 1`, `f` in one `vreduceps`), a
@@ -260,7 +261,7 @@ pub(crate) unsafe fn gemm(
     b: Option<&[f32]>,
     accumulate: bool,
 ) {
-    let npanels = super::pack::assert_gemm_operands(x, ldx, rows, (k0, k1, e), wp, out, ldy, b);
+    let npanels = super::tiles::assert_gemm_operands(x, ldx, rows, (k0, k1, e), wp, out, ldy, b);
     let (strips, tail) = (rows / GEMM_ROWS, rows % GEMM_ROWS);
     let bias = b.map_or(std::ptr::null(), |b| b.as_ptr());
     let kc = k1 - k0;
@@ -476,7 +477,7 @@ unsafe fn qk_contract<const S: usize, const P: usize>(
     }
 }
 
-/// One step of a 6×64 tile loop ([`tile_loop_6x4`]) as assembly text: the four 16-lane
+/// One step of a 6×64 tile loop (`tile_loop_6x4!`) as assembly text: the four 16-lane
 /// `b` panels at byte offset `$db` (panel stride `{sb}`), the six row elements at byte
 /// offset `$da` from their row (rows `{g0}`, `+ {la}`, `+ 2·{la}`, then the same from
 /// `{g1}`), 24 FMAs into `zmm0..zmm23` (row-major, four per row).

@@ -3,7 +3,8 @@
 //! K/V row is streamed from memory exactly once per GQA group without a transposing
 //! pack. Used when a (batch, kv head) group has few query rows (`G·L` small).
 
-use super::pack::{Data, View, NR};
+use super::tiles::NR;
+use super::view::{Data, View};
 
 /// Largest padded row count (all query heads × queries of a group) using the decode path.
 pub(crate) const DECODE_MAX_ROWS: usize = 24;

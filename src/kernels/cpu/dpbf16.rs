@@ -3,7 +3,7 @@
 //!
 //! [`qk`] and [`pv`] take exactly the operands of `amx::qk` and `amx::pv`: row-major
 //! bf16 Q and P (rows padded to whole 16-row tiles), and K/V blocks packed by
-//! `amx::pack_k` / `amx::pack_v` into VNNI rows, where each 64-byte row holds, for 16
+//! `vnni::pack_k` / `vnni::pack_v` into VNNI rows, where each 64-byte row holds, for 16
 //! output columns, one pair of consecutive contraction elements. That row is exactly
 //! the right operand of one `VDPBF16PS`: with a broadcast pair of Q (or P) elements as
 //! the left operand, lane `c` accumulates `a₀·b₀[c] + a₁·b₁[c]` in f32. So the driver's
@@ -18,8 +18,8 @@
 //! Register tiles: up to 6 rows × 4 column panels (24 accumulators), so each loaded
 //! K/V row serves 6 rows and each broadcast pair 64 columns.
 
-use super::amx::{e_pad, Terms, TILE, TK, TM};
-use super::pack::{BK, NR};
+use super::tiles::{BK, NR};
+use super::vnni::{e_pad, Terms, TILE, TK, TM};
 use std::arch::x86_64::*;
 
 /// Rows of a register tile.
@@ -49,7 +49,7 @@ unsafe fn row(p: *const u16) -> __m512bh {
 
 /// `S = Q·Kᵀ` for one block, with the operands of `amx::qk`: `rtiles` 16-row tiles of Q
 /// (`qa`, per-component stride `qcs`, row stride `ldq ≥ e_pad(e)` elements, zeros past
-/// `e`) against the [`BK`] keys of a K block packed by `amx::pack_k` (`kb`,
+/// `e`) against the [`BK`] keys of a K block packed by `vnni::pack_k` (`kb`,
 /// per-component stride `kcs`); scores go to `s` (f32, row stride `lds` floats).
 ///
 /// # Safety
@@ -137,7 +137,7 @@ unsafe fn qk_tile<const R: usize>(a: QkArgs) {
 
 /// `O += P·V` for a super-block of `vbs.len()` key blocks, with the operands of
 /// `amx::pv`: `rtiles` 16-row tiles of P (`pa`, per-component stride `pcs`, row stride
-/// `ldp`, key block `i` at column `i·BK`) against V blocks packed by `amx::pack_v`
+/// `ldp`, key block `i` at column `i·BK`) against V blocks packed by `vnni::pack_v`
 /// (`vbs`, per-component stride `vcs`, `nvp` column panels each); `o` is f32 with row
 /// stride `ldo` floats (already rescaled).
 ///
@@ -275,8 +275,8 @@ mod tests {
             .collect()
     }
 
-    /// Both products against f64 sums over the VNNI layout that `amx::pack_k` and
-    /// `amx::pack_v` document, on every row-tile height (two 16-row tiles: strips of
+    /// Both products against f64 sums over the VNNI layout that `vnni::pack_k` and
+    /// `vnni::pack_v` document, on every row-tile height (two 16-row tiles: strips of
     /// 6, 6, 6, 6, 6 and 2 rows), a column-panel count that is not a multiple of four,
     /// two key blocks, and rows of O that already hold values.
     #[test]

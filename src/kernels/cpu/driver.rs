@@ -1,13 +1,15 @@
 //! The tiled online-softmax driver: work decomposition, scheduling, K/V packing
 //! phases, per-block softmax bookkeeping and the split-K (decode) merge.
 
+use super::aligned::{AVec, AlignedBuf};
 use super::decode::{rows_f32, DECODE_MAX_ROWS, K_ALIGN, V_ALIGN};
 use super::exp::exp2_scalar;
-use super::pack::{
-    k_block_len, pack_k, pack_v, v_block_len, AVec, AlignedBuf, MaskView, OutElem, View, BK, MR, NR,
-};
+use super::pack::{k_block_len, pack_k, pack_v, v_block_len};
+use super::store::OutElem;
+use super::tiles::{BK, MR, NR};
+use super::view::{MaskView, View};
 #[cfg(target_arch = "x86_64")]
-use super::{amx, avx2, avx512};
+use super::{amx, avx2, avx512, vnni};
 use super::{par, softcap, Causal, Isa};
 use std::cell::RefCell;
 use std::f32::consts::LOG2_E;
@@ -629,8 +631,8 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
     #[cfg(target_arch = "x86_64")]
     if let Some(plan) = p.amx {
         // The prefill path on AMX: bf16 VNNI packs (see `amx`).
-        let (kbl, vbl) = (amx::k_len(e, plan.comps), amx::v_len(ev, plan.comps));
-        let stage = plan.comps * BK * amx::e_pad(e).max(ev.div_ceil(NR) * NR);
+        let (kbl, vbl) = (vnni::k_len(e, plan.comps), vnni::v_len(ev, plan.comps));
+        let stage = plan.comps * BK * vnni::e_pad(e).max(ev.div_ceil(NR) * NR);
         prefill::<T, u16, _>(
             p,
             (blocks, slots, nbg, &cost),
@@ -640,8 +642,8 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
                 // SAFETY: `p.amx` is only set after `amx::available()` or
                 // `dpbf16::available()`.
                 unsafe {
-                    amx::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
-                    amx::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
+                    vnni::pack_k(&p.k, bb, kvh, j0, nk, e, plan.comps, kc, rows, tmp);
+                    vnni::pack_v(&p.v, bb, kvh, j0, nk, ev, plan.comps, vc, rows, tmp);
                 }
             },
             |g| KvSrc::PackedAmx(g),
@@ -864,17 +866,17 @@ fn process_amx(
     packed: Option<&[u16]>,
     sc: &mut Scratch,
 ) {
-    use amx::TM;
+    use vnni::TM;
     let (s, e, ev) = (p.s, p.e, p.ev);
     let (bb, kvh) = (blk.g / p.hkv, blk.g % p.hkv);
     let n = blk.n;
     let rtiles = n.div_ceil(TM);
     let rows = rtiles * TM;
-    let ep = amx::e_pad(e);
+    let ep = vnni::e_pad(e);
     let evp = ev.div_ceil(NR) * NR;
     let nvp = evp / NR;
     let comps = plan.comps;
-    let (kbl, vbl) = (amx::k_len(e, comps), amx::v_len(ev, comps));
+    let (kbl, vbl) = (vnni::k_len(e, comps), vnni::v_len(ev, comps));
     let (kcs, vcs) = (kbl / comps, vbl / comps);
     let c = p.scale * LOG2_E;
 
@@ -907,7 +909,7 @@ fn process_amx(
     // bf16 Q whose rows are the AMX operand as they are (one component, unit inner
     // stride, E a multiple of the tile depth, the block inside one head): its whole
     // 16-row tiles are loaded from the source, and only a last partial tile is copied.
-    use super::pack::Data;
+    use super::view::Data;
     let q_src: Option<(*const u16, usize)> = match p.q.data {
         Data::BF16(d)
             if comps == 1
@@ -939,7 +941,7 @@ fn process_amx(
             } else {
                 std::ptr::null_mut()
             };
-            amx::row_components(&p.q, off, e, comps, ep, qa.add(r * ep), lo, tmp);
+            vnni::row_components(&p.q, off, e, comps, ep, qa.add(r * ep), lo, tmp);
         }
     });
     let Visible {
@@ -981,8 +983,8 @@ fn process_amx(
                     );
                     // SAFETY: as above; the buffers were sized for `AMX_GROUP` blocks.
                     unsafe {
-                        amx::pack_k(&p.k, bb, kvh, kb * BK, nk, e, comps, kd, &mut ab.rows, tmp);
-                        amx::pack_v(&p.v, bb, kvh, kb * BK, nk, ev, comps, vd, &mut ab.rows, tmp);
+                        vnni::pack_k(&p.k, bb, kvh, kb * BK, nk, e, comps, kd, &mut ab.rows, tmp);
+                        vnni::pack_v(&p.v, bb, kvh, kb * BK, nk, ev, comps, vd, &mut ab.rows, tmp);
                     }
                     kbs[bi] = ab.ka[bi * kbl..].as_ptr();
                     vbs[bi] = ab.va[bi * vbl..].as_ptr();
@@ -1332,7 +1334,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         && raw_rows_ok(p);
     // (q, k and v share one dtype: `sdpa_impl` checks it.)
     #[cfg(target_arch = "x86_64")]
-    let split = raw && matches!(p.k.data, super::pack::Data::BF16(_));
+    let split = raw && matches!(p.k.data, super::view::Data::BF16(_));
     #[cfg(target_arch = "x86_64")]
     if split {
         for row in qb.chunks_exact_mut(e) {
@@ -1484,7 +1486,7 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
         // Half-precision decode on AVX-512 reads K/V rows straight from the source and
         // widens them in registers; `raw_v` is then the V operand.
         #[allow(unused_mut)] // only assigned on x86-64
-        let mut raw_v: Option<super::pack::Data> = None;
+        let mut raw_v: Option<super::view::Data> = None;
         // (V operand, V panel stride, V row stride)
         let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
             #[cfg(target_arch = "x86_64")]
@@ -1574,14 +1576,14 @@ fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvSrc, sc: &mu
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
             unsafe {
-                avx2::pv_rows(sb, n, nk, super::pack::Data::F32(vsl), ldv, evp, o, evp, alpha)
+                avx2::pv_rows(sb, n, nk, super::view::Data::F32(vsl), ldv, evp, o, evp, alpha)
             };
         } else if cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && matches!(src, KvSrc::Rows) {
             // Decode on AVX-512 walks each streamed V row to its end (`avx512::pv_rows`).
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
             unsafe {
-                avx512::pv_rows(sb, n, nk, super::pack::Data::F32(vsl), ldv, nvp, o, evp, alpha)
+                avx512::pv_rows(sb, n, nk, super::view::Data::F32(vsl), ldv, nvp, o, evp, alpha)
             };
         } else {
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
@@ -1690,7 +1692,7 @@ fn online_rows(
 /// already borrowed in place by `rows_f32`) with unit inner strides.
 #[cfg(target_arch = "x86_64")]
 fn raw_rows_ok(p: &Problem) -> bool {
-    use super::pack::Data;
+    use super::view::Data;
     let unit = |v: &View| v.strides[3] == 1;
     !matches!(p.k.data, Data::F32(_)) && unit(&p.k) && unit(&p.v)
 }
@@ -1705,8 +1707,8 @@ fn rows_raw<'a>(
     j0: usize,
     nk: usize,
     width: usize,
-) -> (super::pack::Data<'a>, usize) {
-    use super::pack::Data;
+) -> (super::view::Data<'a>, usize) {
+    use super::view::Data;
     let start = src.row_offset(b, kvh, j0);
     let ld = src.strides[2];
     let end = start + nk.saturating_sub(1) * ld + width;

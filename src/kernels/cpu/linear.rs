@@ -7,8 +7,11 @@
 //! weight streams through the cache once per row block. The bias is the accumulators'
 //! starting value.
 
-use super::pack::{pack_k, AVec, Data, View, MR, NR};
+use super::aligned::AVec;
+use super::pack::pack_k;
 use super::par;
+use super::tiles::{MR, NR};
+use super::view::{Data, View};
 use super::{avx2, avx512, Isa};
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
 use std::mem::MaybeUninit;

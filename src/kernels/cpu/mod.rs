@@ -1,7 +1,7 @@
 //! Fused, tiled flash-attention kernel for the CPU.
 //!
 //! * Online-softmax tiling: blocks of up to `driver::BQ` (144) query rows against
-//!   blocks of `pack::BK` (64) keys; nothing of size L×S is ever materialised.
+//!   blocks of `tiles::BK` (64) keys; nothing of size L×S is ever materialised.
 //! * Work items are (batch, kv head, row block), where the rows of a block are the
 //!   flattened `(query head in the GQA group, query position)` pairs, so one block can
 //!   cover several query heads of a group (decode) and every block is a contiguous
@@ -65,7 +65,7 @@
 //!   skipped, only edge blocks are masked, and on edge blocks each 6-row strip only
 //!   computes the key panels it can see. Optional additive mask with broadcasting; a
 //!   key-padding mask (one run of visible keys per batch and head, the same for every
-//!   query) becomes loop bounds as well (`pack::MaskView::key_runs`).
+//!   query) becomes loop bounds as well (`view::MaskView::key_runs`).
 //! * Outputs of 32 MiB or more (the attention output and `linear`'s) are marked for
 //!   transparent huge pages on Linux before they are written (`pages`): glibc maps such
 //!   allocations afresh on every call, and faulting them in 4 KiB at a time took about 5%
@@ -76,6 +76,7 @@
 
 use candle::{CpuStorage, DType, Layout, Result, Storage, Tensor};
 
+mod aligned;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 #[cfg(target_arch = "x86_64")]
@@ -96,8 +97,13 @@ pub(crate) mod pages;
 pub(crate) mod par;
 mod portable;
 mod softcap;
+mod store;
+mod tiles;
+mod view;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
-use pack::{Data, MaskView, View};
+use view::{Data, MaskView, View};
 
 /// Visibility rules applied by loop bounds (no L×S tensor is ever materialised).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -258,7 +264,7 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         if self == Isa::Avx2Fma {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
-            return unsafe { avx2::qk_dot(q, rows, live, e, pack::Data::F32(k), ldk, nk, s, lds) };
+            return unsafe { avx2::qk_dot(q, rows, live, e, view::Data::F32(k), ldk, nk, s, lds) };
         }
         portable::qk_dot(q, rows, e, k, ldk, nk, s, lds)
     }
@@ -643,8 +649,8 @@ mod tests {
         let q = Tensor::randn(0f32, 1.0, (2, 8, 300, 32), &dev)?;
         let k = Tensor::randn(0f32, 1.0, (2, 4, 333, 32), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (2, 4, 333, 40), &dev)?;
-        let one_group = 333usize.div_ceil(pack::BK)
-            * (pack::k_block_len(pack::BK, 32) + pack::v_block_len(pack::BK, 40))
+        let one_group = 333usize.div_ceil(tiles::BK)
+            * (pack::k_block_len(tiles::BK, 32) + pack::v_block_len(tiles::BK, 40))
             * 4;
         for c in [
             None,

@@ -4,11 +4,11 @@
 //! NEON is part of the AArch64 baseline, so no runtime detection beyond
 //! `is_aarch64_feature_detected!("neon")` is needed.
 
-use super::pack::{BK, NR};
+use super::tiles::{BK, NR};
 use std::arch::aarch64::*;
 
 /// Rows per register tile.
-pub(super) const MR: usize = super::pack::MR;
+pub(super) const MR: usize = super::tiles::MR;
 
 /// See [`super::portable::qk`]; `rows` must be a multiple of [`MR`].
 ///

@@ -1,7 +1,7 @@
 //! Portable micro-kernels (safe Rust written so LLVM auto-vectorises the 16-lane loops).
 
 use super::exp::exp2_scalar;
-use super::pack::{BK, MR, NR};
+use super::tiles::{BK, MR, NR};
 
 /// `s[r, p*NR + c] = sum_x q[r, x] * kp[p][x][c]` for all `rows` rows and `npanels` panels.
 /// Q is strip-packed: `q[r, x] = q[(r / MR) * MR * e + x * MR + r % MR]`; `rows % MR == 0`.
