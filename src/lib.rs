@@ -17,6 +17,7 @@ extern crate candle_core as candle;
 pub mod alibi;
 pub mod cache;
 pub mod decoder;
+mod dims;
 mod empty;
 pub mod fixture;
 pub mod kernels;

@@ -4,8 +4,8 @@
 //! go through the reference path in candle ops.
 use candle::{DType, Device, Result, Tensor};
 
+use crate::dims::Dims;
 use crate::mask::AttnMask;
-use crate::sdpa::{Dims, SdpaOutput};
 
 pub mod cpu;
 
@@ -18,7 +18,8 @@ pub(crate) fn fused_supports(device: &Device, dtype: DType, _dims: &Dims) -> boo
 /// the mask as an additive f32 tensor aligned to the score rank, `mask` supplies the causal
 /// rule, applied by loop bounds. With `heads_inner` and rank-4 inputs, the output is a view
 /// of `(N, L, Hq, Ev)` memory (see [`cpu::sdpa_with`]). `sinks`: one logit per query
-/// head `(Hq)`; `softcap`: the cap of the scaled scores.
+/// head `(Hq)`; `softcap`: the cap of the scaled scores. Returns the output `(…, Hq, L, Ev)`
+/// (the kernel computes no attention weights).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dispatch_fused(
     q: &Tensor,
@@ -30,7 +31,7 @@ pub(crate) fn dispatch_fused(
     scale: f64,
     heads_inner: bool,
     (sinks, softcap): (Option<&Tensor>, Option<f64>),
-) -> Result<SdpaOutput> {
+) -> Result<Tensor> {
     let (n, hq, hkv, l, s, e, ev) = (dims.n, dims.hq, dims.hkv, dims.l, dims.s, dims.e, dims.ev);
     // Views with the batch dims collapsed; the kernel reads any strides.
     let q4 = as_4d(q, (n, hq, l, e))?;
@@ -65,15 +66,11 @@ pub(crate) fn dispatch_fused(
         extras,
         heads_inner,
     )?;
-    let output = if heads_inner {
-        output
+    if heads_inner {
+        Ok(output)
     } else {
-        output.reshape(shape)?
-    };
-    Ok(SdpaOutput {
-        output,
-        weights: None,
-    })
+        output.reshape(shape)
+    }
 }
 
 /// `t` as the rank-4 `dims`, without copying where that can be a view: rank 4 as is, ranks
