@@ -15,7 +15,7 @@
 //!   buffer for its next call (a fresh one costs a page fault per 4 KiB). Packing is
 //!   pipelined with the blocks: the packs of group g + 1 are work units handed out just
 //!   before the blocks of group g, and a block waits until its own group's packs are
-//!   written (`driver::Pipeline`), so no barrier separates packing from computing.
+//!   written (`driver::prefill::Pipeline`), so no barrier separates packing from computing.
 //! * One row block per group: K/V are packed block by block inside the item; with few
 //!   query rows per group (decode, `G·L` ≤ 24) K/V rows are read straight from the
 //!   source (f32, and f16/bf16 with unit inner stride on AVX2 and AVX-512) or converted
@@ -43,9 +43,9 @@
 //!   and packs, with the two block products on `VDPBF16PS` register tiles (`dpbf16`).
 //! * Attention sinks (one logit per query head, [`Extras::sinks`]) enter each row's
 //!   softmax sum once, `2^(sink − m)` against the row's reference max `m`, when the row
-//!   is normalised (`driver::finish`) or after the split-K merge (`driver::merge`).
+//!   is normalised (`driver::block::finish`) or after the split-K merge (`driver::block::merge`).
 //! * Logit soft-capping ([`Extras::softcap`]) caps each block's scores in
-//!   `driver::online_rows`, before the mask (`softcap`); the paths that take their
+//!   `driver::block::online_rows`, before the mask (`softcap`); the paths that take their
 //!   softmax elsewhere (AVX-512's softmax in registers, AVX2's row maxima kept by the
 //!   score kernel, the AMX and AVX512-BF16 tiles) stand aside for it.
 //! * Nothing here has a backward pass: the dispatcher (`crate::sdpa`) and `crate::Proj`
@@ -543,7 +543,7 @@ fn sdpa_impl(
         sinks: layout.extras.sinks.map(|sk| sk.iter().map(|&x| x * std::f32::consts::LOG2_E).collect()),
         softcap: layout.extras.softcap.map(|cap| cap * std::f32::consts::LOG2_E),
         #[cfg(target_arch = "x86_64")]
-        // Softcap runs in `driver::online_rows`, which the AMX path's softmax skips.
+        // Softcap runs in `driver::block::online_rows`, which the AMX path's softmax skips.
         amx: amx_plan(dtype, isa).filter(|_| layout.extras.softcap.is_none()),
     };
     let dev = q.device();
