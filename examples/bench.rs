@@ -4,8 +4,9 @@
 //! cargo run --release --example bench -- [--json] [--case NAME | --shape B,Hq,Hkv,L,S,D[,causal|causal_br]] [--dtype f32|bf16|f16] [--impl NAME] [--rounds N] [--min-secs S] [--no-peak | --peak-only] [--inputs FILE]
 //! ```
 //!
-//! `--help` lists the cases and implementations. `--shape` times SDPA on random inputs of any shape instead of the named cases (see
-//! [`parse_shape`]); `scripts/bench_vs_torch.py --shape` takes the same argument.
+//! `--help` lists the cases and implementations. `--shape` times SDPA on random inputs
+//! of any shape instead of the named cases (see [`parse_shape`]);
+//! `scripts/bench_vs_torch.py --shape` takes the same argument.
 //!
 //! Implementations (`impl`): `ours` (this crate, default dispatch), `candle_unfused`
 //! (matmul → `candle_nn::ops::softmax_last_dim` → matmul, as candle-transformers models
