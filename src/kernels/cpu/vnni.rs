@@ -17,7 +17,8 @@
 //!   pair `(2r, 2r + 1)`. K: `[panel of 16 keys][E/32 tiles]`; V: `[panel of 16 value
 //!   columns][BK/32 tiles]`.
 //!
-//! Everything here needs AVX-512 (F, BF16), and no tile state.
+//! The splitting and packing functions need AVX-512 (F, BF16), and no tile state; the
+//! sizes (`e_pad`, `k_len`, `v_len`) are plain arithmetic.
 
 use super::avx512::{store_components, tail_mask_full};
 use super::tiles::{BK, NR};
