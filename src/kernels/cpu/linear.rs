@@ -8,11 +8,12 @@
 //! starting value.
 
 use super::aligned::AVec;
+use super::isa::Isa;
 use super::pack::pack_k;
 use super::par;
 use super::tiles::{MR, NR};
 use super::view::{Data, View};
-use super::{avx2, avx512, Isa};
+use super::{avx2, avx512};
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -83,11 +83,13 @@ mod amx;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+mod causal;
 mod decode;
 #[cfg(target_arch = "x86_64")]
 mod dpbf16;
 mod driver;
 mod exp;
+mod isa;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod linear;
 #[cfg(target_arch = "aarch64")]
@@ -103,184 +105,9 @@ mod view;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
 
+pub use causal::Causal;
+pub use isa::Isa;
 use view::{Data, MaskView, View};
-
-/// Visibility rules applied by loop bounds (no L×S tensor is ever materialised).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Causal {
-    /// Key j is visible from query i iff j <= i + offset (top-left: 0; bottom-right: S - L).
-    pub offset: isize,
-    /// Optional sliding window W: additionally requires j > i + offset - W (exactly W keys;
-    /// W = 0 hides every key, so every row is 0).
-    pub window: Option<usize>,
-}
-
-/// Instruction set used by the micro-kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
-    /// x86-64 AVX-512F and AVX512DQ (6×64 and 12×32 register tiles).
-    Avx512,
-    /// x86-64 AVX2 + FMA.
-    Avx2Fma,
-    /// AArch64 NEON.
-    Neon,
-    /// Portable Rust (auto-vectorised by the compiler).
-    Portable,
-}
-
-impl Isa {
-    /// Name as reported by [`isa`].
-    pub fn name(self) -> &'static str {
-        match self {
-            Isa::Avx512 => "avx512",
-            Isa::Avx2Fma => "avx2+fma",
-            Isa::Neon => "neon",
-            Isa::Portable => "portable",
-        }
-    }
-
-    /// Whether this machine can run the kernel for `self`.
-    pub fn is_supported(self) -> bool {
-        match self {
-            Isa::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            // DQ for the softmax's `vreduceps` (`avx512::exp2_512`).
-            Isa::Avx512 => {
-                std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512dq")
-            }
-            #[cfg(target_arch = "x86_64")]
-            // F16C for the decode kernels' f16 rows (`avx2::qk_dot`; every AVX2 CPU has it).
-            Isa::Avx2Fma => {
-                std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
-            }
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
-            #[allow(unreachable_patterns)]
-            _ => false,
-        }
-    }
-
-    /// The best instruction set available on this machine (ignores the env override).
-    pub fn detect() -> Isa {
-        if Isa::Avx512.is_supported() {
-            Isa::Avx512
-        } else if Isa::Avx2Fma.is_supported() {
-            Isa::Avx2Fma
-        } else if Isa::Neon.is_supported() {
-            Isa::Neon
-        } else {
-            Isa::Portable
-        }
-    }
-
-    /// [`Isa::detect`], unless `CANDLE_ATTENTION_ISA` names a supported instruction set
-    /// (`portable`, `avx2` or `avx512`; an unsupported or unknown name is ignored).
-    pub fn selected() -> Isa {
-        let forced = match std::env::var("CANDLE_ATTENTION_ISA") {
-            Ok(v) if v.eq_ignore_ascii_case("portable") => Some(Isa::Portable),
-            Ok(v) if v.eq_ignore_ascii_case("avx2") || v.eq_ignore_ascii_case("avx2+fma") => {
-                Some(Isa::Avx2Fma)
-            }
-            Ok(v) if v.eq_ignore_ascii_case("avx512") => Some(Isa::Avx512),
-            _ => None,
-        };
-        match forced {
-            Some(isa) if isa.is_supported() => isa,
-            _ => Isa::detect(),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    fn qk(self, q: &[f32], rows: usize, e: usize, kp: &[f32], np: usize, s: &mut [f32], lds: usize) {
-        match self {
-            // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma => unsafe { avx2::qk(q, rows, e, kp, np, s, lds) },
-            // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::qk(q, rows, e, kp, np, s, lds) },
-            // SAFETY: `Isa::Neon` only reaches the kernel after `is_supported()`.
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon => unsafe { neon::qk(q, rows, e, kp, np, s, lds) },
-            _ => portable::qk(q, rows, e, kp, np, s, lds),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `live`: AVX-512 only
-    #[inline]
-    fn pv(
-        self,
-        p: &[f32],
-        rows: usize,
-        live: usize,
-        nk: usize,
-        vp: &[f32],
-        vps: usize,
-        ldv: usize,
-        nvp: usize,
-        o: &mut [f32],
-        ldo: usize,
-        alpha: &[f32],
-    ) {
-        match self {
-            // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma => unsafe { avx2::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
-            // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::pv(p, rows, live, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
-            // SAFETY: `Isa::Neon` only reaches the kernel after `is_supported()`.
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon => unsafe { neon::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha) },
-            _ => portable::pv(p, rows, nk, vp, vps, ldv, nvp, o, ldo, alpha),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `live`: x86-64 only
-    #[inline]
-    fn qk_dot(
-        self,
-        q: &[f32],
-        rows: usize,
-        live: usize,
-        e: usize,
-        k: &[f32],
-        ldk: usize,
-        nk: usize,
-        s: &mut [f32],
-        lds: usize,
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        if self == Isa::Avx512 {
-            // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
-            return unsafe { avx512::qk_dot(q, rows, live, e, k, ldk, nk, s, lds) };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if self == Isa::Avx2Fma {
-            // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
-            return unsafe { avx2::qk_dot(q, rows, live, e, view::Data::F32(k), ldk, nk, s, lds) };
-        }
-        portable::qk_dot(q, rows, e, k, ldk, nk, s, lds)
-    }
-
-    /// Online-softmax update of one score row; see `avx2::online_row`. (AVX-512 updates
-    /// whole blocks of rows instead: `avx512::online_rows_lazy`.)
-    #[inline]
-    fn online_row(self, x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
-        #[cfg(target_arch = "x86_64")]
-        if self == Isa::Avx2Fma {
-            // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
-            return unsafe { avx2::online_row(x, m_old) };
-        }
-        portable::online_row(x, m_old)
-    }
-}
 
 /// The instruction set the kernel dispatches to on this machine: "avx512", "avx2+fma",
 /// "neon" or "portable" (`CANDLE_ATTENTION_ISA=portable|avx2|avx512` forces one, where the

@@ -10,7 +10,7 @@
 //! ([`super::exp::avx2::exp2_256`], relative error 1.2e-7), and below `|y| = 0.3`, where
 //! `1 − t` would cancel, the odd Taylor polynomial to `y^11` (truncation error below
 //! 6e-8 relative). The sign is restored afterwards; NaN stays NaN. Elsewhere `f32::tanh`.
-use super::Isa;
+use super::isa::Isa;
 
 /// Caps every score of `xs` (log2 domain) at `±c`: `x ← c · tanh(x / c)`, `c > 0`.
 pub(crate) fn cap_scores(isa: Isa, xs: &mut [f32], c: f32) {

@@ -5,15 +5,17 @@
 //! buffers.
 
 use super::aligned::{AVec, AlignedBuf};
+use super::causal::Causal;
 use super::decode::{rows_f32, DECODE_MAX_ROWS, K_ALIGN, V_ALIGN};
 use super::exp::exp2_scalar;
+use super::isa::Isa;
 use super::pack::{k_block_len, pack_k, pack_v, v_block_len};
 use super::store::OutElem;
 use super::tiles::{BK, MR, NR};
 use super::view::{MaskView, View};
 #[cfg(target_arch = "x86_64")]
 use super::{amx, avx2, avx512, vnni};
-use super::{par, softcap, Causal, Isa};
+use super::{par, softcap};
 use std::cell::RefCell;
 use std::f32::consts::LOG2_E;
 use std::marker::PhantomData;
