@@ -934,8 +934,8 @@ pub(crate) const GEMM_ROWS: usize = MR;
 
 /// One contraction chunk `k0..k1` of `y = x · Wᵀ (+ b)`, as [`super::avx512::gemm`]
 /// (same operands and layouts) on 6-row × 16-output tiles: whole `GEMM_ROWS`-row strips,
-/// then one shorter strip for the rest; a partial last panel is loaded and stored with
-/// lane masks. Panels are the outer loop, so a panel stays in L1/L2 while the row strips
+/// then one or two shorter tiles for the rest ([`gemm_row_tiles`]); a partial last
+/// panel is loaded and stored with lane masks. Panels are the outer loop, so a panel stays in L1/L2 while the row strips
 /// stream past it.
 ///
 /// # Safety
@@ -954,7 +954,7 @@ pub(crate) unsafe fn gemm(
     accumulate: bool,
 ) {
     let npanels = super::tiles::assert_gemm_operands(x, ldx, rows, (k0, k1, e), wp, out, ldy, b);
-    let (strips, tail) = (rows / GEMM_ROWS, rows % GEMM_ROWS);
+    let (strips, tails) = gemm_row_tiles(rows);
     let bias = b.map_or(std::ptr::null(), |b| b.as_ptr());
     let kc = k1 - k0;
     // SAFETY: `x` and `wp` bounds asserted above; the caller guarantees `y` and the
@@ -969,9 +969,10 @@ pub(crate) unsafe fn gemm(
                 let yp = y.add(st * GEMM_ROWS * ldy + p * NR);
                 gemm_tile::<GEMM_ROWS>((xk, ldx, kc, wpp, yp, ldy, bp, accumulate), live);
             }
-            if tail > 0 {
-                let xk = x.as_ptr().add(strips * GEMM_ROWS * ldx + k0);
-                let yp = y.add(strips * GEMM_ROWS * ldy + p * NR);
+            let mut r0 = strips * GEMM_ROWS;
+            for tail in tails.into_iter().filter(|&t| t > 0) {
+                let xk = x.as_ptr().add(r0 * ldx + k0);
+                let yp = y.add(r0 * ldy + p * NR);
                 let t = (xk, ldx, kc, wpp, yp, ldy, bp, accumulate);
                 match tail {
                     1 => gemm_tile::<1>(t, live),
@@ -981,8 +982,23 @@ pub(crate) unsafe fn gemm(
                     5 => gemm_tile::<5>(t, live),
                     _ => unreachable!("a tail is shorter than GEMM_ROWS"),
                 }
+                r0 += tail;
             }
         }
+    }
+}
+
+/// How [`gemm`] covers `rows` rows: whole `GEMM_ROWS`-row strips, then up to two shorter
+/// tiles. A last tile of 1–3 rows keeps 2–6 accumulators, fewer than the 8 that the FMA
+/// latency needs to keep both pipes busy, so such a remainder takes the last whole strip
+/// with it and runs as two tiles of 3–5 rows (7 → 4 + 3, 8 → 4 + 4, 9 → 5 + 4).
+fn gemm_row_tiles(rows: usize) -> (usize, [usize; 2]) {
+    let (strips, tail) = (rows / GEMM_ROWS, rows % GEMM_ROWS);
+    if strips > 0 && (1..=3).contains(&tail) {
+        let r = tail + GEMM_ROWS;
+        (strips - 1, [r - r / 2, r / 2])
+    } else {
+        (strips, [tail, 0])
     }
 }
 
@@ -1160,6 +1176,30 @@ mod tests {
             x ^= x << 5;
             x as f32 / u32::MAX as f32 * (2.0 * half) - half
         }
+    }
+
+    /// `gemm_row_tiles` covers every row once, in tiles of at most `GEMM_ROWS` rows.
+    /// Where a whole strip can share the remainder, no tile has 1 or 2 rows and the
+    /// remainder's first tile has at least 4.
+    #[test]
+    fn gemm_row_tiles_cover_the_rows_without_thin_tails() {
+        for rows in 0..=40 {
+            let (strips, tails) = gemm_row_tiles(rows);
+            assert_eq!(strips * GEMM_ROWS + tails[0] + tails[1], rows, "rows {rows}");
+            assert!(tails.iter().all(|&t| t < GEMM_ROWS), "rows {rows}: {tails:?}");
+            assert!(tails[1] <= tails[0], "rows {rows}: {tails:?}");
+            if rows > GEMM_ROWS {
+                let thin = tails.iter().filter(|&&t| t > 0 && t < 3).count();
+                assert_eq!(thin, 0, "rows {rows}: {tails:?}");
+                assert!(
+                    tails[0] + tails[1] == 0 || tails[0] >= 4,
+                    "rows {rows}: {tails:?}"
+                );
+            }
+        }
+        assert_eq!(gemm_row_tiles(8), (0, [4, 4]));
+        assert_eq!(gemm_row_tiles(128), (20, [4, 4]));
+        assert_eq!(gemm_row_tiles(11), (1, [5, 0]));
     }
 
     /// The AVX2 half-precision stores give exactly `half`'s conversions of the f32
