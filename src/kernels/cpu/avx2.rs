@@ -935,8 +935,8 @@ pub(crate) const GEMM_ROWS: usize = MR;
 /// One contraction chunk `k0..k1` of `y = x · Wᵀ (+ b)`, as [`super::avx512::gemm`]
 /// (same operands and layouts) on 6-row × 16-output tiles: whole `GEMM_ROWS`-row strips,
 /// then one or two shorter tiles for the rest ([`gemm_row_tiles`]); a partial last
-/// panel is loaded and stored with lane masks. Panels are the outer loop, so a panel stays in L1/L2 while the row strips
-/// stream past it.
+/// panel is loaded and stored with lane masks. Panels are the outer loop, so a panel
+/// stays in L1/L2 while the row strips stream past it.
 ///
 /// # Safety
 /// AVX2 and FMA must be available, and `y` must hold `rows` rows of stride `ldy`.
