@@ -5,6 +5,7 @@
 //!   transposed operand of the `S = Q·Kᵀ` micro-kernel. Keys past the end are zero.
 //! * V block of `BK` keys: `ceil(Ev / NR)` panels, each `[BK][NR]` (column-minor),
 //!   the right operand of the `O += P·V` micro-kernel. Columns past `Ev` are zero.
+use super::isa::Isa;
 use super::tiles::NR;
 #[cfg(target_arch = "x86_64")]
 use super::view::Data;
@@ -31,7 +32,7 @@ pub(crate) fn v_block_len(bk: usize, ev: usize) -> usize {
 #[allow(clippy::too_many_arguments)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `isa`: x86-64 only
 pub(crate) fn pack_k(
-    isa: super::isa::Isa,
+    isa: Isa,
     k: &View,
     b: usize,
     kvh: usize,
@@ -46,8 +47,7 @@ pub(crate) fn pack_k(
         let kk = (nk - p * NR).min(NR);
         let panel = &mut dst[p * e * NR..(p + 1) * e * NR];
         #[cfg(target_arch = "x86_64")]
-        if kk == NR && matches!(isa, super::isa::Isa::Avx512 | super::isa::Isa::Avx2Fma) && k.strides[3] == 1
-        {
+        if kk == NR && matches!(isa, Isa::Avx512 | Isa::Avx2Fma) && k.strides[3] == 1 {
             // Full panel of unit-stride rows: 16×16 (AVX-512) or 8×8 (AVX2) transposes,
             // from the f32 rows in place or from f16/bf16 rows converted into `tmp`.
             let (base, ld) = (k.row_offset(b, kvh, j0 + p * NR), k.strides[2]);
@@ -60,7 +60,7 @@ pub(crate) fn pack_k(
                     (&tmp[..NR * e], e)
                 }
             };
-            let full = if isa == super::isa::Isa::Avx512 {
+            let full = if isa == Isa::Avx512 {
                 let full = e / NR * NR;
                 for x0 in (0..full).step_by(NR) {
                     // SAFETY: `Isa::Avx512` is only selected after detection; the 16
