@@ -7,15 +7,103 @@
 //! `2^n` in the exponent bits. Inputs below -126 (including -inf) give exactly 0,
 //! NaN gives 0. The softmax's `2^x` for `x ≤ 0` (`avx2::exp2_256_nonpos`) uses a
 //! degree-5 near-minimax polynomial instead, as accurate in f32 and one step shorter.
+//! The portable and NEON kernels' softmax runs the same steps in plain arithmetic
+//! ([`exp2_nonpos`]), which the compiler vectorises.
 
-/// Scalar `2^x`, used by the portable kernel and for per-row rescale factors.
+/// Scalar `2^x`, used for per-row rescale factors and split-K merges.
 #[inline]
 pub(crate) fn exp2_scalar(x: f32) -> f32 {
     x.exp2()
 }
 
+/// Coefficients `c1..c5` of `2^f ≈ 1 + c1·f + … + c5·f^5` on `|f| ≤ 1/2`: the
+/// near-minimax fit of the relative error (the constant term held at exactly 1),
+/// printed by `scripts/fit_exp2.py`. Relative error of the fit 9.1e-8; evaluated in
+/// f32 by Horner's rule with fused multiply-adds, 1.6e-7 (the degree-6 Taylor polynomial
+/// of `avx2::exp2_256` reaches 2.2e-7 in f32). `c1` is the fitted value, 1.8e-7 below
+/// `ln 2`.
+#[allow(clippy::approx_constant)]
+const MINIMAX5: [f32; 5] = [
+    0.693_147,
+    0.240_222_42,
+    5.550_733_6e-2,
+    9.671_513e-3,
+    1.326_472_7e-3,
+];
+
+/// `a·b + c`: fused where the target has fused multiply-adds in its baseline (AArch64),
+/// else a multiply and an add (a fused `mul_add` without hardware support is a libm
+/// call, which also stops the loop from being vectorised).
+#[inline(always)]
+fn madd(a: f32, b: f32, c: f32) -> f32 {
+    if cfg!(target_arch = "aarch64") {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// `2^x` for `x ≤ 0` (and −inf), the steps of `avx2::exp2_256_nonpos` in plain
+/// arithmetic, with no branch and no call, so that a loop over it is vectorised (SSE2 on
+/// x86-64's baseline, NEON on AArch64). One `max` with −127 is the only clamp: −inf and
+/// NaN become −127, whose `2^n` has a zero exponent field, so every input below −126.5
+/// gives exactly 0. `n = round(x)` (to nearest even, by adding and subtracting
+/// `1.5·2^23`), `f = x − n`, the degree-5 polynomial [`MINIMAX5`] for `2^f`, and `2^n`
+/// from `n + 127` shifted into the exponent bits (`n` is the low bits of `x + 1.5·2^23`).
+/// Inputs above 0 are wrong (callers never pass them).
+#[inline(always)]
+pub(crate) fn exp2_nonpos(x: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0; // 1.5 · 2^23
+                                     // `f32::max` returns the other operand when one is NaN.
+    let x = x.max(-127.0);
+    let t = x + SHIFT;
+    let f = x - (t - SHIFT);
+    let c = MINIMAX5;
+    let y = madd(
+        madd(madd(madd(madd(c[4], f, c[3]), f, c[2]), f, c[1]), f, c[0]),
+        f,
+        1.0,
+    );
+    // `t` lies in [2^23, 2^24), where consecutive integers are consecutive bit patterns.
+    let pow2n = f32::from_bits(t.to_bits().wrapping_sub(SHIFT.to_bits()).wrapping_add(127) << 23);
+    y * pow2n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The portable exponential against f64 on `[−125, 0]`, and its special inputs.
+    #[test]
+    fn exp2_nonpos_accuracy() {
+        let mut worst = 0f64;
+        let mut x = -125.0f32;
+        while x <= 0.0 {
+            for d in [0.0, 0.001, 0.37, 0.5, 0.61, 0.77, 0.9, 0.999] {
+                let a = (x + d).min(0.0);
+                let r = (a as f64).exp2();
+                worst = worst.max(((exp2_nonpos(a) as f64) - r).abs() / r);
+            }
+            x += 0.0137;
+        }
+        assert!(worst < 2e-7, "worst rel err {worst}");
+        let special = [
+            f32::NEG_INFINITY,
+            -1e30,
+            -127.0,
+            -200.0,
+            0.0,
+            f32::NAN,
+            -0.0,
+            -1.0,
+        ];
+        assert_eq!(special.map(exp2_nonpos), [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.5]);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use super::MINIMAX5;
     use std::arch::x86_64::*;
 
     /// 8-lane `2^x`.
@@ -43,20 +131,6 @@ pub(crate) mod avx2 {
         )));
         _mm256_and_ps(_mm256_mul_ps(y, pow2n), valid)
     }
-
-    /// Coefficients `c1..c5` of `2^f ≈ 1 + c1·f + … + c5·f^5` on `|f| ≤ 1/2`: the
-    /// near-minimax fit of the relative error (the constant term held at exactly 1),
-    /// printed by `scripts/fit_exp2.py`. Relative error of the fit 9.1e-8; evaluated in
-    /// f32 by Horner's rule, 1.6e-7 (the degree-6 Taylor polynomial of [`exp2_256`]
-    /// reaches 2.2e-7 in f32). `c1` is the fitted value, 1.8e-7 below `ln 2`.
-    #[allow(clippy::approx_constant)]
-    const MINIMAX5: [f32; 5] = [
-        0.693_147,
-        0.240_222_42,
-        5.550_733_6e-2,
-        9.671_513e-3,
-        1.326_472_7e-3,
-    ];
 
     /// 8-lane `2^x` for `x ≤ 0` (and −inf), as the softmax needs after subtracting the
     /// maximum: 12 instructions where [`exp2_256`] takes 16, and a shorter dependency

@@ -143,7 +143,6 @@ impl Isa {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `live`: x86-64 only
     #[inline]
     pub(super) fn qk_dot(
         self,
@@ -167,7 +166,8 @@ impl Isa {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
             return unsafe { avx2::qk_dot(q, rows, live, e, view::Data::F32(k), ldk, nk, s, lds) };
         }
-        portable::qk_dot(q, rows, e, k, ldk, nk, s, lds)
+        let _ = rows; // the padding rows are not scored
+        portable::qk_dot(q, live, e, k, ldk, nk, s, lds)
     }
 
     /// Online-softmax update of one score row; see `avx2::online_row`. (AVX-512 updates

@@ -497,6 +497,10 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     alpha,
                 )
             };
+        } else if matches!(src, KvSrc::Rows) {
+            // Decode on the portable and NEON kernels: the live rows only, each V row
+            // walked to its end (`portable::pv_rows`).
+            super::super::portable::pv_rows(sb, n, nk, vsl, ldv, evp, o, evp, alpha);
         } else {
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
         }
