@@ -7,7 +7,7 @@
 //!
 //! On x86-64 with AVX2+FMA (also the AVX-512 path), eight scores at a time: with
 //! `y = s' / C`, `tanh |y| = (1 − t) / (1 + t)` for `t = 2^(−2·log2(e)·|y|)`
-//! ([`super::exp::avx2::exp2_256`], relative error 1.2e-7), and below `|y| = 0.3`, where
+//! (`exp::avx2::exp2_256`, relative error 1.2e-7), and below `|y| = 0.3`, where
 //! `1 − t` would cancel, the odd Taylor polynomial to `y^11` (truncation error below
 //! 6e-8 relative). The sign is restored afterwards; NaN stays NaN. Elsewhere `f32::tanh`.
 use super::isa::Isa;
