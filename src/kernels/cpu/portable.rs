@@ -135,8 +135,10 @@ pub(super) fn qk_dot(
 
 /// Decode `o[r, ..ncols] = alpha[r]·o[r, ..ncols] + Σ_{j < nk} p[r·BK + j]·v[j·ldv..][..ncols]`
 /// for the first `live` rows, walking each V row to its end, four keys per pass over the
-/// output row, where [`pv`] would run all padded rows and read 16 columns of every V
-/// row per pass.
+/// output rows, where [`pv`] would run all padded rows and read 16 columns of every V
+/// row per pass. The rows go in pairs, so that each V element read serves two rows (a
+/// GQA group's rows share the V rows); each row's sums are taken in the same order
+/// either way.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn pv_rows(
     p: &[f32],
@@ -149,28 +151,52 @@ pub(super) fn pv_rows(
     ldo: usize,
     alpha: &[f32],
 ) {
-    for r in 0..live {
-        let orow = &mut o[r * ldo..r * ldo + ncols];
-        let a = alpha[r];
+    for (r, &a) in alpha.iter().enumerate().take(live) {
         if a != 1.0 {
-            orow.iter_mut().for_each(|x| *x *= a);
+            o[r * ldo..r * ldo + ncols].iter_mut().for_each(|x| *x *= a);
         }
+    }
+    let vrow = |j: usize| &v[j * ldv..j * ldv + ncols];
+    let mut r = 0;
+    while r + 2 <= live {
+        let (head, tail) = o.split_at_mut((r + 1) * ldo);
+        let (o0, o1) = (&mut head[r * ldo..r * ldo + ncols], &mut tail[..ncols]);
+        let (pa, pb) = (&p[r * BK..r * BK + nk], &p[(r + 1) * BK..(r + 1) * BK + nk]);
+        let mut j = 0;
+        while j + 4 <= nk {
+            let (v0, v1, v2, v3) = (vrow(j), vrow(j + 1), vrow(j + 2), vrow(j + 3));
+            let (a0, a1, a2, a3) = (pa[j], pa[j + 1], pa[j + 2], pa[j + 3]);
+            let (b0, b1, b2, b3) = (pb[j], pb[j + 1], pb[j + 2], pb[j + 3]);
+            for c in 0..ncols {
+                let (x0, x1, x2, x3) = (v0[c], v1[c], v2[c], v3[c]);
+                o0[c] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3;
+                o1[c] += b0 * x0 + b1 * x1 + b2 * x2 + b3 * x3;
+            }
+            j += 4;
+        }
+        for jj in j..nk {
+            let (x, a, b) = (vrow(jj), pa[jj], pb[jj]);
+            for c in 0..ncols {
+                o0[c] += a * x[c];
+                o1[c] += b * x[c];
+            }
+        }
+        r += 2;
+    }
+    if r < live {
+        let orow = &mut o[r * ldo..r * ldo + ncols];
         let pr = &p[r * BK..r * BK + nk];
         let mut j = 0;
         while j + 4 <= nk {
+            let (v0, v1, v2, v3) = (vrow(j), vrow(j + 1), vrow(j + 2), vrow(j + 3));
             let (p0, p1, p2, p3) = (pr[j], pr[j + 1], pr[j + 2], pr[j + 3]);
-            let v0 = &v[j * ldv..j * ldv + ncols];
-            let v1 = &v[(j + 1) * ldv..(j + 1) * ldv + ncols];
-            let v2 = &v[(j + 2) * ldv..(j + 2) * ldv + ncols];
-            let v3 = &v[(j + 3) * ldv..(j + 3) * ldv + ncols];
             for c in 0..ncols {
                 orow[c] += p0 * v0[c] + p1 * v1[c] + p2 * v2[c] + p3 * v3[c];
             }
             j += 4;
         }
         for (jj, &pj) in pr.iter().enumerate().skip(j) {
-            let vr = &v[jj * ldv..jj * ldv + ncols];
-            for (x, &y) in orow.iter_mut().zip(vr) {
+            for (x, &y) in orow.iter_mut().zip(vrow(jj)) {
                 *x += pj * y;
             }
         }
