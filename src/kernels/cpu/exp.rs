@@ -53,9 +53,10 @@ fn madd(a: f32, b: f32, c: f32) -> f32 {
 /// Inputs above 0 are wrong (callers never pass them).
 #[inline(always)]
 pub(crate) fn exp2_nonpos(x: f32) -> f32 {
-    const SHIFT: f32 = 12_582_912.0; // 1.5 · 2^23
-                                     // `f32::max` returns the other operand when one is NaN.
-    let x = x.max(-127.0);
+    // 1.5 · 2^23
+    const SHIFT: f32 = 12_582_912.0;
+    // The clamp; NaN fails the comparison and takes −127 too (one `maxps` on x86-64).
+    let x = if x > -127.0 { x } else { -127.0 };
     let t = x + SHIFT;
     let f = x - (t - SHIFT);
     let c = MINIMAX5;
