@@ -45,12 +45,12 @@ fn madd(a: f32, b: f32, c: f32) -> f32 {
 
 /// `2^x` for `x ≤ 0` (and −inf), the steps of `avx2::exp2_256_nonpos` in plain
 /// arithmetic, with no branch and no call, so that a loop over it is vectorised (SSE2 on
-/// x86-64's baseline, NEON on AArch64). One `max` with −127 is the only clamp: −inf and
-/// NaN become −127, whose `2^n` has a zero exponent field, so every input below −126.5
-/// gives exactly 0. `n = round(x)` (to nearest even, by adding and subtracting
-/// `1.5·2^23`), `f = x − n`, the degree-5 polynomial [`MINIMAX5`] for `2^f`, and `2^n`
-/// from `n + 127` shifted into the exponent bits (`n` is the low bits of `x + 1.5·2^23`).
-/// Inputs above 0 are wrong (callers never pass them).
+/// x86-64's baseline, NEON on AArch64). One clamp at −127 is the only one: −inf and NaN
+/// (which fails the comparison) become −127, whose `2^n` has a zero exponent field, so
+/// every input below −126.5 gives exactly 0. `n = round(x)` (to nearest even, by adding
+/// and subtracting `1.5·2^23`), `f = x − n`, the degree-5 polynomial [`MINIMAX5`] for
+/// `2^f`, and `2^n` from `n + 127` shifted into the exponent bits (`n` is the low bits of
+/// `x + 1.5·2^23`). Inputs above 0 are wrong (callers never pass them).
 #[inline(always)]
 pub(crate) fn exp2_nonpos(x: f32) -> f32 {
     // 1.5 · 2^23

@@ -60,8 +60,8 @@
 //!   pass. The portable and NEON kernels also score the live rows only
 //!   (`portable::qk_dot`) and walk each V row to its end (`portable::pv_rows`).
 //! * The portable and NEON kernels' softmax computes `2^x` in plain arithmetic that the
-//!   compiler vectorises (`exp::exp2_nonpos`, the steps of `exp2_256_nonpos`), eight
-//!   scores at a time.
+//!   compiler vectorises (`exp::exp2_nonpos`, the steps of `exp2_256_nonpos`) at the
+//!   full register width.
 //! * On AVX2 the softmax updates a block's rows in one call, each row read into eight
 //!   registers, in two passes over all rows (`avx2::online_rows_block`), with a `2^x`
 //!   for `x ≤ 0` with one clamp and a degree-5 polynomial (`exp::avx2::exp2_256_nonpos`).

@@ -91,9 +91,9 @@ pub(super) fn row_max(x: &[f32]) -> f32 {
 }
 
 /// `x[j] = 2^(x[j] - m)` for a row whose maximum is at most `m` (so every exponent is
-/// at most 0; −inf gives 0); returns the sum. Eight lanes at a time, on
-/// [`exp2_nonpos`], which the compiler vectorises: `libm`'s `exp2f` per score took
-/// 27% of the portable kernel's time on `enc512`.
+/// at most 0; −inf gives 0); returns the sum. On [`exp2_nonpos`], which the compiler
+/// vectorises: `libm`'s `exp2f` per score took 27% of the portable kernel's time on
+/// `enc512`.
 pub(super) fn exp2_sub_sum(x: &mut [f32], m: f32) -> f32 {
     // Two loops that the compiler vectorises at the full register width: the
     // exponentials, then the sum in eight lanes (in one loop it used two-lane vectors).
