@@ -5,7 +5,7 @@
 //! Every function here is `unsafe` and requires a CPU with AVX2, FMA and F16C; the
 //! dispatcher only selects `Isa::Avx2Fma` after runtime detection.
 
-use super::exp::avx2::{exp2_256, exp2_256_nonpos};
+use super::exp::avx2::{exp2_256, exp2_256_nonpos, exp2_256_nonpos_n};
 use super::tiles::{BK, NR};
 use super::view::Data;
 use std::arch::x86_64::*;
@@ -812,7 +812,9 @@ unsafe fn hsum(x: __m256) -> f32 {
 /// with `alpha = 1` and `m`, `l` unchanged. Each row is read in eight vectors, with lanes
 /// outside its range replaced by −inf, in two passes over all rows (maxima and `alpha`,
 /// then probabilities and sums): one row's chain from its loads to its sum is longer than
-/// the out-of-order window, so a single pass per row leaves the rows serialised.
+/// the out-of-order window, so a single pass per row leaves the rows serialised. For the
+/// same reason a row's eight exponentials run interleaved, step by step
+/// ([`exp2_256_nonpos_n`]), not one after the other.
 ///
 /// # Safety
 /// AVX2 and FMA must be available, and every `range(r)` must satisfy `a ≤ z ≤ BK`.
@@ -899,10 +901,10 @@ unsafe fn online_rows_block_inner<const PRE: bool>(
         let x = load_row_ranged(row, range(r));
         let mv = _mm256_set1_ps(m_new);
         let mut sum = [_mm256_setzero_ps(); 2];
-        for (i, &xi) in x.iter().enumerate() {
-            let p = exp2_256_nonpos(_mm256_sub_ps(xi, mv));
-            _mm256_storeu_ps(row.add(8 * i), p);
-            sum[i % 2] = _mm256_add_ps(sum[i % 2], p);
+        let p = exp2_256_nonpos_n(x.map(|xi| _mm256_sub_ps(xi, mv)));
+        for (i, &pi) in p.iter().enumerate() {
+            _mm256_storeu_ps(row.add(8 * i), pi);
+            sum[i % 2] = _mm256_add_ps(sum[i % 2], pi);
         }
         l[r] = l[r] * alpha[r] + hsum(_mm256_add_ps(sum[0], sum[1]));
     }

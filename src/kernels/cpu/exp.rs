@@ -177,6 +177,37 @@ pub(crate) mod avx2 {
         _mm256_mul_ps(y, pow2n)
     }
 
+    /// [`exp2_256_nonpos`] of `N` vectors, each step applied to all `N` before the next,
+    /// so the independent chains are interleaved in program order.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn exp2_256_nonpos_n<const N: usize>(x: [__m256; N]) -> [__m256; N] {
+        let x = x.map(|v| _mm256_max_ps(v, _mm256_set1_ps(-127.0)));
+        let n = x.map(|v| _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v));
+        let mut f = x;
+        for i in 0..N {
+            f[i] = _mm256_sub_ps(x[i], n[i]);
+        }
+        let c = MINIMAX5;
+        let mut y = [_mm256_set1_ps(c[4]); N];
+        for k in [c[3], c[2], c[1], c[0], 1.0] {
+            for i in 0..N {
+                y[i] = _mm256_fmadd_ps(y[i], f[i], _mm256_set1_ps(k));
+            }
+        }
+        for i in 0..N {
+            let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(n[i]),
+                _mm256_set1_epi32(127),
+            )));
+            y[i] = _mm256_mul_ps(y[i], pow2n);
+        }
+        y
+    }
+
     #[cfg(test)]
     mod tests {
         use super::*;
@@ -196,6 +227,41 @@ pub(crate) mod avx2 {
             assert!(worst < 2e-7, "worst rel err {worst}");
             let (special, expected) = super::super::tests::NONPOS_SPECIAL;
             assert_eq!(lanes(special), expected);
+        }
+
+        /// The interleaved form computes what [`exp2_256_nonpos`] does, bit for bit, in
+        /// every vector of the group, on the accuracy sweep and the special inputs.
+        #[test]
+        fn exp2_256_nonpos_n_matches_one_at_a_time() {
+            if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+                return;
+            }
+            let mut groups: Vec<[[f32; 8]; 8]> = Vec::new();
+            let mut pending = Vec::new();
+            super::super::tests::nonpos_worst_rel_err(|xs| {
+                pending.push(xs);
+                if pending.len() == 7 {
+                    let mut g = [super::super::tests::NONPOS_SPECIAL.0; 8];
+                    g[1..].copy_from_slice(&pending);
+                    groups.push(g);
+                    pending.clear();
+                }
+                xs
+            });
+            assert!(groups.len() > 1000);
+            for g in groups {
+                // SAFETY: AVX2+FMA detected above; each array holds 8 lanes.
+                unsafe {
+                    let x = g.map(|v| _mm256_loadu_ps(v.as_ptr()));
+                    let y = exp2_256_nonpos_n(x);
+                    for (xi, yi) in x.iter().zip(y) {
+                        let (mut a, mut b) = ([0f32; 8], [0f32; 8]);
+                        _mm256_storeu_ps(a.as_mut_ptr(), exp2_256_nonpos(*xi));
+                        _mm256_storeu_ps(b.as_mut_ptr(), yi);
+                        assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "{:?}", g);
+                    }
+                }
+            }
         }
 
         #[test]
