@@ -901,7 +901,11 @@ unsafe fn online_rows_block_inner<const PRE: bool>(
         let x = load_row_ranged(row, range(r));
         let mv = _mm256_set1_ps(m_new);
         let mut sum = [_mm256_setzero_ps(); 2];
-        let p = exp2_256_nonpos_n(x.map(|xi| _mm256_sub_ps(xi, mv)));
+        let mut d = x;
+        for v in d.iter_mut() {
+            *v = _mm256_sub_ps(*v, mv);
+        }
+        let p = exp2_256_nonpos_n(d);
         for (i, &pi) in p.iter().enumerate() {
             _mm256_storeu_ps(row.add(8 * i), pi);
             sum[i % 2] = _mm256_add_ps(sum[i % 2], pi);

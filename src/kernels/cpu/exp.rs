@@ -184,9 +184,15 @@ pub(crate) mod avx2 {
     /// The CPU must support AVX2 and FMA.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn exp2_256_nonpos_n<const N: usize>(x: [__m256; N]) -> [__m256; N] {
-        let x = x.map(|v| _mm256_max_ps(v, _mm256_set1_ps(-127.0)));
-        let n = x.map(|v| _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v));
+    pub(crate) unsafe fn exp2_256_nonpos_n<const N: usize>(mut x: [__m256; N]) -> [__m256; N] {
+        // Loops, not `map` closures: closures do not inherit `target_feature`.
+        for v in x.iter_mut() {
+            *v = _mm256_max_ps(*v, _mm256_set1_ps(-127.0));
+        }
+        let mut n = x;
+        for v in n.iter_mut() {
+            *v = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(*v);
+        }
         let mut f = x;
         for i in 0..N {
             f[i] = _mm256_sub_ps(x[i], n[i]);
@@ -236,6 +242,8 @@ pub(crate) mod avx2 {
             if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
                 return;
             }
+            // Groups of eight vectors: the special inputs, then seven vectors of the
+            // accuracy sweep (which hands each of its vectors to this closure).
             let mut groups: Vec<[[f32; 8]; 8]> = Vec::new();
             let mut pending = Vec::new();
             super::super::tests::nonpos_worst_rel_err(|xs| {
