@@ -97,7 +97,7 @@ fn linear_in_place_on(selected: Isa, x: &Tensor, w: &Tensor, b: Option<&Tensor>)
     let (wg, wl) = wc.storage_and_layout();
     let wd = weight_data(&wg, wl, w)?;
     new_output(x, out, |dst| {
-        with_operands(x, (out, inp), w, b, dst, |rows, xv, bv, dst| {
+        with_operands(x, (out, inp), w, b, dst, false, |rows, xv, bv, dst| {
             // The kernels take whole strips of `MR` rows; padding rows are not computed.
             let padded = rows.div_ceil(MR) * MR;
             let mut q = vec![0f32; padded * inp];
@@ -213,7 +213,7 @@ pub(crate) fn linear_into(
     let (wg, wl) = wc.storage_and_layout();
     let wd = weight_data(&wg, wl, w)?;
     let np = out.div_ceil(NR);
-    with_operands(x, (out, inp), w, b, dst, |rows, xv, bv, dst| {
+    with_operands(x, (out, inp), w, b, dst, true, |rows, xv, bv, dst| {
         // The W pack lives in a buffer kept by the calling thread between calls: a fresh
         // multi-MB allocation would page-fault on every call.
         PACK.with(|cell| {
@@ -246,20 +246,37 @@ pub(crate) fn linear_packed_into(
     b: Option<&Tensor>,
     dst: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
-    with_operands(x, (w.out, w.inp), &w.source, b, dst, |rows, xv, bv, dst| {
-        product(xv, &w.panels, bv, (rows, w.inp, w.out), dst)
-    })
+    with_operands(
+        x,
+        (w.out, w.inp),
+        &w.source,
+        b,
+        dst,
+        false,
+        |rows, xv, bv, dst| product(xv, &w.panels, bv, (rows, w.inp, w.out), dst),
+    )
+}
+
+/// Estimated time in ns of a `(rows, in) · (in, out)` product on one thread, for
+/// [`par::sized`]: its multiply-adds at 50 GFLOP/s and every element of x, the weight
+/// (twice where it is packed first) and the output at 0.2 ns (4 bytes at 20 GB/s).
+fn product_ns(rows: usize, inp: usize, out: usize, packs: bool) -> f64 {
+    let (r, i, o) = (rows as f64, inp as f64, out as f64);
+    let weight = if packs { 2.0 } else { 1.0 } * i * o;
+    2.0 * r * i * o / 50.0 + (weight + r * (i + o)) * 0.2
 }
 
 /// Checks `x (rows, in)`, `b (out)` and `dst` (`rows · out`) against a weight
 /// `(out, in)` (named `w` in errors), then runs `f(rows, x, b, dst)` on their contiguous
-/// f32 data.
+/// f32 data: on this thread alone when the product (with a pack of the weight where
+/// `packs`) is too small to share among the threads ([`par::sized`]).
 fn with_operands<R>(
     x: &Tensor,
     (out, inp): (usize, usize),
     w: &Tensor,
     b: Option<&Tensor>,
     dst: &mut [MaybeUninit<f32>],
+    packs: bool,
     f: impl FnOnce(usize, &[f32], Option<&[f32]>, &mut [MaybeUninit<f32>]) -> R,
 ) -> Result<R> {
     let (rows, xin) = x.dims2()?;
@@ -292,7 +309,9 @@ fn with_operands<R>(
         (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
         _ => None,
     };
-    Ok(f(rows, xv, bv, dst))
+    Ok(par::sized(product_ns(rows, inp, out, packs), || {
+        f(rows, xv, bv, dst)
+    }))
 }
 
 /// Bytes of packed weights that [`PackedWeight::cached`] may keep alive at once, all
@@ -766,6 +785,40 @@ mod tests {
                     assert_matches_f64(|r, o| y[r * out + o], &x, &wv, bias, dims, "columns");
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Inside a pool of two threads, a product too small to share (and its pack) runs on
+    /// the calling thread alone, a larger one is shared, and both equal an f64 product.
+    #[test]
+    fn small_products_run_on_the_calling_thread() -> Result<()> {
+        if tile_rows(Isa::selected()).is_none() {
+            eprintln!("no x86-64 product on this machine: nothing to check");
+            return Ok(());
+        }
+        let dev = candle::Device::Cpu;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .map_err(candle::Error::wrap)?;
+        for ((rows, inp, out), small) in [
+            ((1, 64, 64), true),
+            ((16, 64, 192), true),
+            ((64, 512, 512), false),
+        ] {
+            let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?;
+            let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
+            let (entered, got) = pool.install(|| {
+                let before = par::inline_entries();
+                let got = linear(&x, &w, None);
+                (par::inline_entries() - before, got)
+            });
+            assert_eq!(entered > 0, small, "{:?}", (rows, inp, out));
+            let got = got?.to_vec2::<f32>()?;
+            let (xv, wv) = (x.flatten_all()?.to_vec1::<f32>()?, w.to_vec2::<f32>()?);
+            let dims = (rows, inp, out);
+            assert_matches_f64(|r, o| got[r][o], &xv, &wv, None, dims, "sized");
         }
         Ok(())
     }

@@ -519,6 +519,41 @@ mod tests {
         Ok(())
     }
 
+    /// A call too small to share among the threads runs on the calling thread alone; a
+    /// larger one is shared. Both give the output of a call on one thread.
+    #[test]
+    fn small_calls_run_on_the_calling_thread() -> Result<()> {
+        let dev = Device::Cpu;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .map_err(candle::Error::wrap)?;
+        // (B, Hq, Hkv, L, S, E), and whether the call is small
+        for ((b, hq, hkv, l, s, e), small) in [
+            ((1, 8, 8, 1, 1, 64), true),
+            ((2, 4, 2, 8, 8, 32), true),
+            ((1, 8, 2, 1, 2048, 64), false),
+            ((2, 8, 8, 64, 64, 64), false),
+        ] {
+            let q = Tensor::randn(0f32, 1.0, (b, hq, l, e), &dev)?;
+            let k = Tensor::randn(0f32, 1.0, (b, hkv, s, e), &dev)?;
+            let v = Tensor::randn(0f32, 1.0, (b, hkv, s, e), &dev)?;
+            let call = || sdpa_impl(&q, &k, &v, None, None, 0.125, Isa::detect(), CallPlan::new(false));
+            let (entered, got) = pool.install(|| {
+                let before = par::inline_entries();
+                let got = call();
+                (par::inline_entries() - before, got)
+            });
+            assert_eq!(entered > 0, small, "{:?}", (b, hq, hkv, l, s, e));
+            // On one thread every call runs inline. The result is the same up to rounding:
+            // the long decode call splits its keys among the threads, and merges the parts.
+            let one = par::inline(call)?;
+            let d = (got? - one)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert!(d <= 1e-5, "{d}");
+        }
+        Ok(())
+    }
+
     /// The `(B, L, Hq, Ev)` output layout holds the same values as the default one, on
     /// the prefill, decode and split-K paths, with GQA, a mask, fully masked rows
     /// (written as zeros), every dtype and every instruction set.

@@ -8,6 +8,18 @@ thread_local! {
     static INLINE: Cell<bool> = const { Cell::new(false) };
 }
 
+#[cfg(test)]
+thread_local! {
+    /// How many times this thread entered [`inline`] (the tests' view of [`sized`]).
+    static ENTERED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// How many times this thread entered [`inline`].
+#[cfg(test)]
+pub(crate) fn inline_entries() -> usize {
+    ENTERED.with(|c| c.get())
+}
+
 /// Runs `f` with every kernel call it makes on this thread sequential.
 pub(crate) fn inline<R>(f: impl FnOnce() -> R) -> R {
     /// Restores the previous mode, also when `f` unwinds.
@@ -18,6 +30,8 @@ pub(crate) fn inline<R>(f: impl FnOnce() -> R) -> R {
         }
     }
     let _restore = Restore(INLINE.with(|c| c.replace(true)));
+    #[cfg(test)]
+    ENTERED.with(|c| c.set(c.get() + 1));
     f()
 }
 
@@ -32,6 +46,36 @@ pub(crate) fn threads() -> usize {
         1
     } else {
         rayon::current_num_threads().max(1)
+    }
+}
+
+/// The least time, in ns, that the other threads must be able to save before a call
+/// wakes them. Handing a call's work to rayon's threads and waiting for them cost about
+/// 10–15 µs on the 2-core Zen 3 VM (2026-12-05): an attention call with 8 heads of one
+/// query and one key took 12–15 µs on both threads and 3–4 µs on the calling thread
+/// alone, and a one-row projection from 64 to 64 features 10–13 µs on both threads and
+/// about 1 µs alone. Smaller than that cost, so that a machine whose threads wake faster
+/// loses little.
+const WAKE_NS: f64 = 8_000.0;
+
+/// Whether work estimated at `t_ns` on one thread is worth sharing among `threads`: the
+/// most the others could save, `t_ns · (1 − 1/threads)`, is at least [`WAKE_NS`]. Under
+/// Miri, which checks the threads' accesses for data races, everything is shared.
+pub(crate) fn shares(t_ns: f64, threads: usize) -> bool {
+    if cfg!(miri) {
+        return threads > 1;
+    }
+    t_ns * (1.0 - 1.0 / threads.max(1) as f64) >= WAKE_NS
+}
+
+/// Runs `f`, with its kernel calls sequential (inside [`inline`]) when its work,
+/// estimated at `t_ns` on one thread, is not worth sharing among this thread's
+/// [`threads`] (see [`shares`]).
+pub(crate) fn sized<R>(t_ns: f64, f: impl FnOnce() -> R) -> R {
+    if shares(t_ns, threads()) {
+        f()
+    } else {
+        inline(f)
     }
 }
 
@@ -99,6 +143,17 @@ mod tests {
             );
             assert_eq!(buf[63], 7);
         });
+        assert!(!is_inline());
+        // Too little work to share runs inline; enough for two threads does not. (Under
+        // Miri everything is shared.)
+        if !cfg!(miri) {
+            sized(0.0, || assert!(is_inline()));
+            let big = 4.0 * WAKE_NS;
+            assert!(shares(big, 2) && !shares(big, 1) && !shares(WAKE_NS, 2));
+            if threads() > 1 {
+                sized(big, || assert!(!is_inline()));
+            }
+        }
         assert!(!is_inline());
         let caught = std::panic::catch_unwind(|| inline(|| panic!("unwinds")));
         assert!(caught.is_err());

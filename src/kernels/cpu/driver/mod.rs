@@ -328,6 +328,20 @@ impl<T> BlockOut<T> {
     }
 }
 
+/// Estimated time in ns of a call of shape `(B, Hq, Hkv, L, S, E, Ev)` on one thread,
+/// for [`par::sized`]: every query–key pair's products at 50 GFLOP/s and every element of
+/// Q, K, V and the output at 0.2 ns (4 bytes at 20 GB/s). On the Zen 3 VM (2026-12-05)
+/// this was close to the measured times of cache-resident calls that took 6–80 µs on
+/// one thread, and above them for the smallest.
+pub(crate) fn single_thread_ns(
+    (b, hq, hkv, l, s, e, ev): (usize, usize, usize, usize, usize, usize, usize),
+) -> f64 {
+    let width = (e + ev) as f64;
+    let flops = 2.0 * (b * hq * l) as f64 * s as f64 * width;
+    let elems = ((b * hkv * s) as f64 + (b * hq * l) as f64) * width;
+    flops / 50.0 + elems * 0.2
+}
+
 /// Computes the attention output, `(B, Hq, L, Ev)` row-major, or `(B, L, Hq, Ev)` with
 /// [`Problem::heads_inner`].
 pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
@@ -382,7 +396,10 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
         })
         .collect();
 
-    work(p, &blocks, gblocks.len(), &slots);
+    // A small call runs on this thread alone: waking the others would cost more.
+    par::sized(single_thread_ns((b, p.hq, hkv, l, s, p.e, ev)), || {
+        work(p, &blocks, gblocks.len(), &slots)
+    });
     for slot in &slots {
         if let Some(mut dst) = lock(slot).take() {
             dst.zero();
@@ -533,3 +550,34 @@ type Blocks<'s, 'o, T> = (
     usize,
     &'s (dyn Fn(&Block, usize, usize) -> usize + Sync),
 );
+
+#[cfg(test)]
+mod tests {
+    use super::super::par::shares;
+    use super::single_thread_ns;
+
+    #[test]
+    fn only_calls_too_small_to_share_run_on_the_calling_thread() {
+        // (B, Hq, Hkv, L, S, E, Ev)
+        let one_key = single_thread_ns((1, 8, 8, 1, 1, 64, 64));
+        let eight = single_thread_ns((1, 8, 8, 8, 8, 64, 64));
+        for threads in [1, 2, 64] {
+            assert!(!shares(one_key, threads) && !shares(eight, threads));
+        }
+        // About 12.8 µs of work: two threads could save half of it, 16 threads almost all.
+        let sixteen = single_thread_ns((1, 6, 6, 16, 16, 64, 64));
+        assert!(!shares(sixteen, 2) && shares(sixteen, 16));
+        // The benchmark's cases, and calls of a few tens of µs, are shared.
+        let cases = [
+            (1, 16, 16, 512, 512, 64, 64),
+            (8, 12, 12, 128, 128, 64, 64),
+            (1, 32, 8, 1, 4096, 128, 128),
+            (4, 32, 32, 1, 2048, 128, 128),
+            (1, 32, 8, 1, 128, 128, 128),
+            (1, 12, 12, 32, 32, 64, 64),
+        ];
+        for c in cases {
+            assert!(shares(single_thread_ns(c), 2), "{c:?}");
+        }
+    }
+}
