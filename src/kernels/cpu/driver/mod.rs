@@ -331,8 +331,8 @@ impl<T> BlockOut<T> {
 /// Estimated time in ns of a call of shape `(B, Hq, Hkv, L, S, E, Ev)` on one thread,
 /// for [`par::sized`]: every query–key pair's products at 50 GFLOP/s and every element of
 /// Q, K, V and the output at 0.2 ns (4 bytes at 20 GB/s). On the Zen 3 VM (2026-12-05)
-/// this was close to the measured times of cache-resident calls that took 6–80 µs on
-/// one thread, and above them for the smallest.
+/// it was within a factor of two of the times of cache-resident calls that took 6–281 µs
+/// on one thread; it leaves out fixed costs, which dominate smaller calls.
 pub(crate) fn single_thread_ns(
     (b, hq, hkv, l, s, e, ev): (usize, usize, usize, usize, usize, usize, usize),
 ) -> f64 {
