@@ -19,10 +19,15 @@ pub use candle_attention::fixture::normalised_error as rel_err;
 pub fn projections_match_matmul() -> Result<usize> {
     let mut compared = 0;
     let dev = Device::Cpu;
-    // (rows, in, out): tiny (candle's path), row and output padding, contraction tails,
-    // > one row block.
+    // (rows, in, out): tiny (on the calling thread; candle's path before 2026-12-05),
+    // row and output padding, contraction tails, > one row block.
     let shapes = [
         (3, 8, 8),
+        (1, 8, 8),
+        (16, 16, 16),
+        (6, 32, 20),
+        (2, 20, 12),
+        (7, 3, 5),
         (14, 64, 64),
         (37, 100, 50),
         (300, 96, 129),
