@@ -203,8 +203,8 @@ impl Proj {
     }
 
     /// Whether [`Proj::forward`] of `x (…, in)` runs on this crate's CPU kernel (f32 `x`
-    /// on a CPU with AVX-512 or AVX2+FMA, a product large enough, no gradients), which runs
-    /// sequentially inside `kernels::cpu::par::inline`.
+    /// on a CPU with AVX-512 or AVX2+FMA, at least a register tile of rows, no gradients),
+    /// which runs sequentially inside `kernels::cpu::par::inline`.
     pub(crate) fn on_kernel(&self, x: &Tensor) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
