@@ -263,12 +263,12 @@ pub(crate) fn linear_packed_into(
 }
 
 /// Estimated time in ns of a `(rows, in) · (in, out)` product on one thread, for
-/// [`par::sized`]: its multiply-adds at 50 GFLOP/s and every element of x, the weight
-/// (twice where it is packed first) and the output at 0.2 ns (4 bytes at 20 GB/s).
+/// [`par::sized`]: its multiply-adds, and every element of x, the weight (twice where it
+/// is packed first) and the output ([`par::work_ns`]).
 fn product_ns(rows: usize, inp: usize, out: usize, packs: bool) -> f64 {
     let (r, i, o) = (rows as f64, inp as f64, out as f64);
     let weight = if packs { 2.0 } else { 1.0 } * i * o;
-    2.0 * r * i * o / 50.0 + (weight + r * (i + o)) * 0.2
+    par::work_ns(2.0 * r * i * o, weight + r * (i + o))
 }
 
 /// Checks `x (rows, in)`, `b (out)` and `dst` (`rows · out`) against a weight

@@ -58,6 +58,15 @@ pub(crate) fn threads() -> usize {
 /// loses little.
 const WAKE_NS: f64 = 8_000.0;
 
+/// Estimated time in ns, on one thread, of work of `flops` floating-point operations
+/// over `elems` elements read or written, for [`sized`]: 50 GFLOP/s, and 0.2 ns per
+/// element (4 bytes at 20 GB/s). On the Zen 3 VM (2026-12-05) this was within a factor
+/// of two of the times of cache-resident attention calls that took 6–281 µs on one
+/// thread; it leaves out fixed costs, which dominate smaller calls.
+pub(crate) fn work_ns(flops: f64, elems: f64) -> f64 {
+    flops / 50.0 + elems * 0.2
+}
+
 /// Whether work estimated at `t_ns` on one thread is worth sharing among `threads`: the
 /// most the others could save, `t_ns · (1 − 1/threads)`, is at least [`WAKE_NS`]. Under
 /// Miri, which checks the threads' accesses for data races, everything is shared.

@@ -329,17 +329,15 @@ impl<T> BlockOut<T> {
 }
 
 /// Estimated time in ns of a call of shape `(B, Hq, Hkv, L, S, E, Ev)` on one thread,
-/// for [`par::sized`]: every query–key pair's products at 50 GFLOP/s and every element of
-/// Q, K, V and the output at 0.2 ns (4 bytes at 20 GB/s). On the Zen 3 VM (2026-12-05)
-/// it was within a factor of two of the times of cache-resident calls that took 6–281 µs
-/// on one thread; it leaves out fixed costs, which dominate smaller calls.
+/// for [`par::sized`]: every query–key pair's products, and every element of Q, K, V and
+/// the output ([`par::work_ns`]).
 pub(crate) fn single_thread_ns(
     (b, hq, hkv, l, s, e, ev): (usize, usize, usize, usize, usize, usize, usize),
 ) -> f64 {
     let width = (e + ev) as f64;
     let flops = 2.0 * (b * hq * l) as f64 * s as f64 * width;
     let elems = ((b * hkv * s) as f64 + (b * hq * l) as f64) * width;
-    flops / 50.0 + elems * 0.2
+    par::work_ns(flops, elems)
 }
 
 /// Computes the attention output, `(B, Hq, L, Ev)` row-major, or `(B, L, Hq, Ev)` with
