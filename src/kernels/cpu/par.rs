@@ -72,14 +72,15 @@ pub(crate) fn threads() -> usize {
     }
 }
 
-/// The least time, in ns, that the other threads must be able to save before a call
-/// wakes them. Handing a call's work to rayon's threads and waiting for them cost about
-/// 10–15 µs on the 2-core Zen 3 VM (2026-12-05): an attention call with 8 heads of one
-/// query and one key took 12–15 µs on both threads and 3–4 µs on the calling thread
-/// alone, and a one-row projection from 64 to 64 features 10–13 µs on both threads and
-/// about 1 µs alone. Smaller than that cost, so that a machine whose threads wake faster
-/// loses little.
-const WAKE_NS: f64 = 8_000.0;
+/// The least time, in ns, that the other threads must be able to save before a call is
+/// shared. Waking a helper costs the calling thread little ([`share`] does not wait for
+/// it), but splitting a call of a few µs gains less than it costs: on the 2-core Zen 3 VM
+/// (2026-12-05, calls of the attention kernel alternating limits of 8, 2 and 0 µs, medians
+/// of 40 timings of 2000 calls), a limit of 2 µs shared calls of 5.9–12.8 µs estimated
+/// work, which took 8.3–11.7 µs against 10.0–17.4 µs on the calling thread alone, while
+/// sharing everything made the smallest calls slower (8 heads of one key 3.5 against
+/// 4.2–7.7 µs).
+const WAKE_NS: f64 = 2_000.0;
 
 /// Estimated time in ns, on one thread, of work of `flops` floating-point operations
 /// over `elems` elements read or written, for [`sized`]: 50 GFLOP/s, and 0.2 ns per

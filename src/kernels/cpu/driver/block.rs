@@ -196,7 +196,10 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         max_lo,
         min_hi,
     } = vis;
-    qb[n * e..].fill(0.0);
+    // The decode kernels (`KvSrc::Rows`) read Q and write the output for the live rows
+    // only, so only the other kernels need the padding rows cleared.
+    let cleared = if matches!(src, KvSrc::Rows) { n } else { rows };
+    qb[n * e..cleared * e].fill(0.0);
     if strip_q {
         for r in n..rows {
             let strip = &mut qpm[(r / MR) * MR * e..(r / MR + 1) * MR * e];
@@ -233,7 +236,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             avx512::split_pairs(row);
         }
     }
-    reset_accumulators(rows, evp, (o, m, lsum, alpha));
+    reset_accumulators(cleared, evp, (o, m, lsum, alpha));
 
     let klo = lo_min.max(ks0);
     let khi = hi_max.min(ks1).min(s);
