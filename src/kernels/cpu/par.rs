@@ -74,12 +74,13 @@ pub(crate) fn threads() -> usize {
 
 /// The least time, in ns, that the other threads must be able to save before a call is
 /// shared. Waking a helper costs the calling thread little ([`share`] does not wait for
-/// it), but splitting a call of a few µs gains less than it costs: on the 2-core Zen 3 VM
-/// (2026-12-05, calls of the attention kernel alternating limits of 8, 2 and 0 µs, medians
-/// of 40 timings of 2000 calls), a limit of 2 µs shared calls of 5.9–12.8 µs estimated
-/// work, which took 8.3–11.7 µs against 10.0–17.4 µs on the calling thread alone, while
-/// sharing everything made the smallest calls slower (8 heads of one key 3.5 against
-/// 4.2–7.7 µs).
+/// it), but splitting a call of a few µs gains less than it costs. On the 2-core Zen 3 VM
+/// (2026-12-05; calls of the attention kernel, limits of 8, 2 and 0 µs alternating;
+/// medians of 40 timings of 2000 calls, two runs each), a limit of 2 µs shared calls of
+/// an estimated 5.9, 12.8 and 13.4 µs, which took 8.3–8.7, 11.7–18.6 and 8.6–9.7 µs
+/// against 10.0–10.1, 17.2–17.4 and 10.8–11.4 µs on the calling thread alone; sharing
+/// everything made the smallest calls slower (8 heads of one key 4.2–7.7 against 3.5–3.8
+/// µs). The kernel notes list them.
 const WAKE_NS: f64 = 2_000.0;
 
 /// Estimated time in ns, on one thread, of work of `flops` floating-point operations

@@ -222,8 +222,9 @@ fn split_rows(start: usize, len: usize, out: &mut Vec<(usize, usize)>) {
     }
 }
 
-/// Runs `f(item_index, scratch)` for every item on all rayon threads, handing out
-/// items in order from a shared counter (items are pre-sorted largest first).
+/// Runs `f(item_index, scratch)` for every item on the threads that [`par::for_each_index`]
+/// gives the call, handing out items in order from a shared counter (items are
+/// pre-sorted largest first).
 fn run_dynamic<F>(n_items: usize, e: usize, ev: usize, f: F)
 where
     F: Fn(usize, &mut Scratch) + Sync,
