@@ -73,15 +73,16 @@ pub(crate) fn threads() -> usize {
 }
 
 /// The least time, in ns, that the other threads must be able to save before a call is
-/// shared. Waking a helper costs the calling thread little ([`share`] does not wait for
-/// it), but splitting a call of a few µs gains less than it costs. On the 2-core Zen 3 VM
-/// (2026-12-05; calls of the attention kernel, limits of 8, 2 and 0 µs alternating;
-/// medians of 40 timings of 2000 calls, two runs each), a limit of 2 µs shared calls of
-/// an estimated 5.9, 12.8 and 13.4 µs, which took 8.3–8.7, 11.7–18.6 and 8.6–9.7 µs
-/// against 10.0–10.1, 17.2–17.4 and 10.8–11.4 µs on the calling thread alone; sharing
-/// everything made the smallest calls slower (8 heads of one key 4.2–7.7 against 3.5–3.8
-/// µs). The kernel notes list them.
-const WAKE_NS: f64 = 2_000.0;
+/// shared. On the 2-core Zen 3 VM (2026-12-05), handing a call's work to rayon's threads
+/// and waiting for them cost 10–15 µs: an attention call with 8 heads of one query and one
+/// key took 12–15 µs on both threads and 3–4 µs on the calling thread alone, and a one-row
+/// projection from 64 to 64 features 10–13 µs on both threads and about 1 µs alone.
+/// [`share`] no longer waits for the other threads to wake, but a lower limit did not pay
+/// in whole layers: with 2 µs, a `MultiheadAttention` step of one token at E = 128 shared
+/// its input projection and took 18–22 µs against 11–16 µs with 8 µs (medians of 21
+/// timings), though some attention calls of an estimated 6–13 µs gained 1–2 µs. The kernel
+/// notes list both measurements.
+const WAKE_NS: f64 = 8_000.0;
 
 /// Estimated time in ns, on one thread, of work of `flops` floating-point operations
 /// over `elems` elements read or written, for [`sized`]: 50 GFLOP/s, and 0.2 ns per
