@@ -1,7 +1,8 @@
-//! Where the kernels' parallel loops run: on the calling thread with rayon's threads
-//! joining in ([`for_each_index`]), or on the calling thread alone inside [`inline`], which
-//! a caller uses when it runs several kernel calls in a parallel loop of its own (so that
-//! nothing parallel runs inside anything parallel).
+//! Where the kernels' parallel loops run: on rayon's threads, on the calling thread with
+//! rayon's threads joining in as they wake ([`share`], for calls of up to a few hundred
+//! µs; see [`sized`]), or on the calling thread alone inside [`inline`], which [`sized`]
+//! uses for calls too small to share and a caller uses when it runs several kernel calls
+//! in a parallel loop of its own (so that nothing parallel runs inside anything parallel).
 use rayon::prelude::*;
 use std::any::Any;
 use std::cell::Cell;
@@ -125,9 +126,10 @@ pub(crate) fn sized<R>(t_ns: f64, f: impl FnOnce() -> R) -> R {
     }
 }
 
-/// `f(i)` for every `i < n`, each index taken once, in increasing order, by the calling
-/// thread or by one of the rayon threads that join it ([`share`]); in order on the calling
-/// thread alone inside [`inline`].
+/// `f(i)` for every `i < n`, as this thread's mode says ([`sized`]): on rayon's threads
+/// (`par_iter`); each index taken once, in increasing order, by the calling thread or by
+/// one of the rayon threads that join it ([`share`]); or in order on the calling thread
+/// alone inside [`inline`].
 pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync + Send) {
     let helpers = match mode() {
         Mode::Inline => 0,
