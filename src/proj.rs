@@ -14,17 +14,19 @@ use crate::sdpa::compute_dtype;
 /// call on a `Proj` keeps its weight packed for it (`4 · out · in` bytes, shared by
 /// clones) while all kept packs fit `CANDLE_ATTENTION_PACK_CACHE_MB` (256 MiB by default;
 /// 0 keeps none). Products of fewer rows than the kernel's register tile (14 rows with
-/// AVX-512, 6 with AVX2), such as decode steps, run on the kernel against the kept
-/// pack, with the threads splitting the output columns, or without a pack (the first
-/// call, or no room in the pack cache) by dot products against the weight read in place;
-/// a single row against an f16/bf16 weight always reads it in place. Inputs or weights
-/// that record gradients take candle's `matmul`.
+/// AVX-512, 6 with AVX2), such as decode steps, make the pack on their first call and
+/// run against it, with the threads splitting the output columns, or, with no room in
+/// the pack cache, by dot products against the weight read in place; a single row
+/// against an f16/bf16 weight always reads it in place. So a projection returns the same
+/// bits for the same input on every call. Inputs or weights that record gradients take
+/// candle's `matmul`.
 #[derive(Clone, Debug)]
 pub struct Proj {
     weight: Tensor,
     bias: Option<Tensor>,
-    /// The weight packed for the CPU kernel, made on the second call that takes it and
-    /// shared by clones (`None` inside: the pack cache's budget was full then).
+    /// The weight packed for the CPU kernel, made on the second call that takes it (the
+    /// first, for fewer rows than a register tile) and shared by clones (`None` inside:
+    /// the pack cache's budget was full then).
     #[cfg(target_arch = "x86_64")]
     packed: std::sync::Arc<PackCache>,
 }
@@ -86,10 +88,13 @@ impl Proj {
     /// second product on, the projection keeps its pack (`4 · out · in` bytes), so later
     /// calls skip that step (8% of a 1024×768×768 product), as long as all packs kept in
     /// the process fit the budget `CANDLE_ATTENTION_PACK_CACHE_MB` (256 MiB by default;
-    /// 0 keeps none). A weight used once is never kept. Fewer rows than a register tile
-    /// run against the kept pack, or read the weight in place (without a pack, and for
-    /// one row against an f16/bf16 weight): packing for one such call would read the
-    /// weight twice.
+    /// 0 keeps none). A weight used once with a register tile of rows or more is never
+    /// kept. Fewer rows than a register tile run against the kept pack, made on the
+    /// first such call, or read the weight in place (with no room for a pack, and for
+    /// one row against an f16/bf16 weight). Until 2026-12-05 their first call read the
+    /// weight in place and later ones used the pack: the two products sum in different
+    /// orders, so a layer's results moved by 1–2 f32 ulps from its first call to its
+    /// second.
     fn matmul_bias(&self, x: &Tensor, b: Option<&Tensor>, cd: DType) -> Result<Tensor> {
         let w = &self.weight;
         #[cfg(target_arch = "x86_64")]
@@ -98,14 +103,14 @@ impl Proj {
                 applies, applies_in_place, applies_packed, linear, linear_in_place, linear_packed,
             };
             if applies(x, w) {
-                return match self.kept_pack()? {
+                return match self.kept_pack(false)? {
                     Some(p) => linear_packed(x, p, b),
                     None => linear(x, w, b),
                 };
             }
             // Fewer rows than a register tile (a decode step): against the kept pack, or
-            // without one (the first call, or no room left in the pack cache) with the
-            // weight read in place, since packing for one call would read it twice. A
+            // without one (no room left in the pack cache) with the weight read in
+            // place, since packing on every call would read it twice. A
             // single row against an f16/bf16 weight reads it in place even with a pack:
             // half the bytes of the f32 pack (on the Zen 4 VM, 1×4096×4096 with a bf16
             // weight: 0.86 ms in place, 1.47–1.51 ms on the pack; with 4 rows the pack
@@ -114,7 +119,9 @@ impl Proj {
                 let in_place = applies_in_place(x, w);
                 let half_row = in_place && x.dim(0)? == 1 && w.dtype() != DType::F32;
                 if !half_row {
-                    if let Some(p) = self.kept_pack()? {
+                    // The pack is made on the first such call, so that every call of
+                    // these rows runs the same product and gives the same result.
+                    if let Some(p) = self.kept_pack(true)? {
                         return linear_packed(x, p, b);
                     }
                 }
@@ -126,13 +133,14 @@ impl Proj {
         Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)
     }
 
-    /// The weight's kept pack: made on the second call that asks (see
-    /// [`Proj::matmul_bias`]); `None` before, or when the pack cache's budget is full.
+    /// The weight's kept pack: made on the second call that asks, or on the first with
+    /// `now` (see [`Proj::matmul_bias`]); `None` before, or when the pack cache's budget
+    /// was full when it was to be made.
     #[cfg(target_arch = "x86_64")]
-    fn kept_pack(&self) -> Result<Option<&crate::kernels::cpu::linear::PackedWeight>> {
+    fn kept_pack(&self, now: bool) -> Result<Option<&crate::kernels::cpu::linear::PackedWeight>> {
         use std::sync::atomic::Ordering;
         let cache = &self.packed;
-        if cache.packed.get().is_none() && cache.used.swap(true, Ordering::Relaxed) {
+        if cache.packed.get().is_none() && (cache.used.swap(true, Ordering::Relaxed) || now) {
             let made = crate::kernels::cpu::linear::PackedWeight::cached(&self.weight)?;
             // A racing thread's pack may win; the loser's is dropped.
             let _ = cache.packed.set(made);
@@ -161,7 +169,7 @@ impl Proj {
             use crate::kernels::cpu::linear::{linear_into, linear_packed_into};
             let x2 = x.reshape((rows, in_dim))?;
             let bias = self.bias.as_ref().map(|b| b.to_dtype(DType::F32)).transpose()?;
-            match self.kept_pack()? {
+            match self.kept_pack(false)? {
                 Some(p) => linear_packed_into(&x2, p, bias.as_ref(), dst),
                 None => linear_into(&x2, &self.weight, bias.as_ref(), dst),
             }

@@ -27,5 +27,6 @@ fn avx2_kernel_matches_reference_on_randomised_shapes() -> candle_core::Result<(
     assert_eq!(n, 24);
     let n = proj_cases::projections_match_matmul()?;
     assert!(n >= 80, "only {n} products compared");
+    assert_eq!(proj_cases::repeated_calls_agree_bit_for_bit()?, 90);
     Ok(())
 }

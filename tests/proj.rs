@@ -1,7 +1,8 @@
 //! `Proj::forward` (the fused CPU product where it applies) agrees with candle's
 //! `matmul` reference: on the shapes of `shared/proj_cases.rs` (every row-tile tail,
 //! partial panels, contraction tails, first and kept-pack calls), batched and strided
-//! inputs, f16/bf16 weights, gradients, and its shape errors.
+//! inputs, f16/bf16 weights, gradients, and its shape errors; and that a second and
+//! third call return the first call's bits.
 #[path = "shared/proj_cases.rs"]
 mod proj_cases;
 
@@ -31,6 +32,12 @@ fn projection_matches_candle_matmul() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn repeated_calls_give_the_same_bits() -> Result<()> {
+    assert_eq!(proj_cases::repeated_calls_agree_bit_for_bit()?, 90);
+    Ok(())
+}
+
 /// An output of 32 MiB (8192 × 1024 f32), the size from which the kernel asks Linux
 /// for huge pages before writing it, matches the reference like small ones.
 #[test]
@@ -53,8 +60,9 @@ fn a_32_mib_output_matches_candle_matmul() -> Result<()> {
 #[test]
 fn half_precision_weights_match_their_f32_product() -> Result<()> {
     let dev = Device::Cpu;
-    // Then a few rows (decode steps): the weight read in place on the first call, with
-    // one 32-element bf16 group and a 16-element tail (96), and whole groups (2048).
+    // Then a few rows (decode steps): one row reads the weight in place on every call,
+    // with one 32-element bf16 group and a 16-element tail (96); several rows run on the
+    // kept pack; whole groups (2048).
     for (rows, inp, out) in [
         (37, 100, 50),
         (300, 96, 129),
