@@ -6,8 +6,9 @@
 //! contraction chunk of 768), several parallel row blocks, fewer rows than a tile (the
 //! kept pack's column-split product), with and without bias. Every
 //! projection is applied twice: the first product packs the weight for that call only,
-//! the second keeps the pack and uses it. Used by `tests/proj.rs` and, with the AVX2
-//! kernel forced, by `tests/kernel_avx2.rs`, as is [`repeated_calls_agree_bit_for_bit`].
+//! the second keeps the pack and uses it (below a register tile of rows, the first call
+//! already makes the kept pack). Used by `tests/proj.rs` and, with the AVX2 kernel
+//! forced, by `tests/kernel_avx2.rs`, as is [`repeated_calls_agree_bit_for_bit`].
 use candle_attention::Proj;
 use candle_core::{DType, Device, Result, Tensor};
 
