@@ -1,0 +1,24 @@
+//! The AVX-512 decode kernels with their software prefetch of f16/bf16 rows switched
+//! the other way from this machine's default (`CANDLE_ATTENTION_DECODE_PREFETCH`: on by
+//! default on Intel CPUs only), so that both settings stay covered wherever AVX-512
+//! runs: the default in `tests/kernel.rs`, the other one here. (A separate test binary,
+//! so the variable affects nothing else; one test, so that the variable is set before
+//! the kernel reads it.) Elsewhere this runs the same comparison as `tests/kernel.rs`.
+#[path = "shared/kernel_cases.rs"]
+mod kernel_cases;
+
+#[test]
+fn decode_prefetch_the_other_way_matches_reference() -> candle_core::Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // CPUID leaf 0: the vendor string, in EBX, EDX, ECX.
+        let r = std::arch::x86_64::__cpuid(0);
+        let intel = [r.ebx, r.edx, r.ecx] == [*b"Genu", *b"ineI", *b"ntel"].map(u32::from_le_bytes);
+        std::env::set_var("CANDLE_ATTENTION_DECODE_PREFETCH", if intel { "0" } else { "1" });
+    }
+    let n = kernel_cases::fused_matches_reference(5)?;
+    assert!(n > 1000, "only {n} comparisons");
+    let n = kernel_cases::sinks_split_k_matches_reference(5)?;
+    assert_eq!(n, 24);
+    Ok(())
+}
