@@ -9,13 +9,9 @@ mod kernel_cases;
 
 #[test]
 fn decode_prefetch_the_other_way_matches_reference() -> candle_core::Result<()> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // CPUID leaf 0: the vendor string, in EBX, EDX, ECX.
-        let r = std::arch::x86_64::__cpuid(0);
-        let intel = [r.ebx, r.edx, r.ecx] == [*b"Genu", *b"ineI", *b"ntel"].map(u32::from_le_bytes);
-        std::env::set_var("CANDLE_ATTENTION_DECODE_PREFETCH", if intel { "0" } else { "1" });
-    }
+    use candle_attention::kernels::cpu::decode_prefetch_by_default;
+    let other = if decode_prefetch_by_default() { "0" } else { "1" };
+    std::env::set_var("CANDLE_ATTENTION_DECODE_PREFETCH", other);
     let n = kernel_cases::fused_matches_reference(5)?;
     assert!(n > 1000, "only {n} comparisons");
     let n = kernel_cases::sinks_split_k_matches_reference(5)?;

@@ -1263,21 +1263,18 @@ unsafe fn qk_dot_impl<const T: u8>(
 const PF_KEYS: usize = 16;
 
 /// Whether the decode kernels ask for half-precision K/V rows [`PF_KEYS`] keys ahead:
-/// on Intel CPUs, and not on others, unless `CANDLE_ATTENTION_DECODE_PREFETCH` is `1` or
-/// `0` (read once per process). On an Intel Xeon VM (AVX-512, AMX) it made bf16 and f16
-/// `decode_b4` about 1.6–2× faster; on an AMD Zen 4 VM it made no consistent difference and
-/// slowed bf16 `decode_b4` (kernel notes). f32 rows gained nothing on either.
+/// `CANDLE_ATTENTION_DECODE_PREFETCH` if it is `1` or `0` (read once per process), else
+/// [`super::decode_prefetch_by_default`] (Intel CPUs). On an Intel Xeon VM (AVX-512, AMX)
+/// it made bf16 and f16 `decode_b4` about 1.6–2× faster; on an AMD Zen 4 VM it made no
+/// consistent difference and slowed bf16 `decode_b4` (kernel notes). f32 rows gained
+/// nothing on either.
 fn prefetch_half_rows() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(
         || match std::env::var("CANDLE_ATTENTION_DECODE_PREFETCH").as_deref() {
             Ok("1") => true,
             Ok("0") => false,
-            _ => {
-                // CPUID leaf 0: the vendor string, in EBX, EDX, ECX.
-                let r = __cpuid(0);
-                [r.ebx, r.edx, r.ecx] == [*b"Genu", *b"ineI", *b"ntel"].map(u32::from_le_bytes)
-            }
+            _ => super::decode_prefetch_by_default(),
         },
     )
 }

@@ -411,6 +411,24 @@ pub fn amx_enabled() -> bool {
     }
 }
 
+/// Whether the AVX-512 decode kernels ask for f16/bf16 K/V rows ahead (software
+/// prefetch) when `CANDLE_ATTENTION_DECODE_PREFETCH` does not say (`1` on, `0` off; read
+/// once per process, at the first half-precision decode): on Intel CPUs, where it made
+/// bf16 and f16 decode of long caches faster, and not on others (see the kernel notes).
+/// Does not read the variable.
+pub fn decode_prefetch_by_default() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // CPUID leaf 0: the vendor string, in EBX, EDX, ECX.
+        let r = std::arch::x86_64::__cpuid(0);
+        [r.ebx, r.edx, r.ecx] == [*b"Genu", *b"ineI", *b"ntel"].map(u32::from_le_bytes)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Whether bf16 prefill runs its block products as bf16 pair products, on the AMX tile
 /// unit ([`amx_enabled`]) or, without it, on AVX512-BF16 register tiles (`VDPBF16PS`,
 /// unless `CANDLE_ATTENTION_AVX512BF16=0` is set; read per call). Otherwise bf16 is
