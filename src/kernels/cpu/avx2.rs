@@ -6,6 +6,7 @@
 //! dispatcher only selects `Isa::Avx2Fma` after runtime detection.
 
 use super::exp::avx2::{exp2_256, exp2_256_nonpos, exp2_256_nonpos_n};
+use super::prefetch::{prefetch_bytes, PF_KEYS};
 use super::tiles::{BK, NR};
 use super::view::Data;
 use std::arch::x86_64::*;
@@ -580,22 +581,6 @@ unsafe fn online_row_impl(x: &mut [f32], m_old: f32) -> (f32, f32, f32) {
         _mm_cvtss_f32(_mm256_castps256_ps128(exp2_256(_mm256_set1_ps(m_old - m_new))))
     };
     (m_new, alpha, exp2_sub_sum_impl(x, m_new))
-}
-
-/// How many keys ahead the decode kernels ask for K/V rows (software prefetch): they
-/// stream rows that are each read once.
-const PF_KEYS: usize = 16;
-
-/// Asks for the cache lines of `bytes` bytes from `p` (a hint that never faults, so `p`
-/// may point past the data).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn prefetch_bytes(p: *const u8, bytes: usize) {
-    let mut b = 0;
-    while b < bytes {
-        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(b));
-        b += 64;
-    }
 }
 
 /// Decode `O = alpha·O + P·V` for the first `live` rows, walking the V rows in key

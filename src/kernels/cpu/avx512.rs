@@ -8,10 +8,10 @@
 //! AVX512DQ, for `vreduceps`); the dispatcher only selects `Isa::Avx512` after runtime
 //! detection of both.
 
+use super::prefetch::{half_rows, prefetch_bytes, PF_KEYS};
 use super::tiles::{BK, MR, NR};
 use super::view::Data;
 use std::arch::x86_64::*;
-use std::sync::OnceLock;
 
 /// 16-lane `2^x`: `x = n + f` (`n = floor(x)`, `0 ≤ f < 1`, `f` in one `vreduceps`), a
 /// degree-5 polynomial for `2^f` (fitted for relative error with `2^0 = 1` exact;
@@ -1058,7 +1058,7 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
 ) {
     let (vps, ldv, ldp) = (src.vps, src.ldv, src.ldp);
     let mut ps = src.p;
-    let pf = T != F32 && prefetch_half_rows();
+    let pf = T != F32 && half_rows();
     for &(vb, nk) in &src.segs[..G] {
         for j in 0..nk {
             if pf {
@@ -1256,41 +1256,6 @@ unsafe fn qk_dot_impl<const T: u8>(
     }
 }
 
-/// How many keys ahead the decode kernels ask for half-precision K/V rows (software
-/// prefetch into L1) where [`prefetch_half_rows`] says so, in [`qk_rows_strip_reg`],
-/// [`qk_rows_strip`] and [`pv_contract`] (whose half-precision callers are all decode).
-/// f32 rows are left to the hardware prefetchers.
-const PF_KEYS: usize = 16;
-
-/// Whether the decode kernels ask for half-precision K/V rows [`PF_KEYS`] keys ahead:
-/// `CANDLE_ATTENTION_DECODE_PREFETCH` if it is `1` or `0` (read once per process), else
-/// [`super::decode_prefetch_by_default`] (Intel CPUs). On an Intel Xeon VM (AVX-512, AMX)
-/// it made bf16 and f16 `decode_b4` about 1.6–2× faster; on an AMD Zen 4 VM it made no
-/// consistent difference and slowed bf16 `decode_b4` (kernel notes). f32 rows gained
-/// nothing on either.
-fn prefetch_half_rows() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(
-        || match std::env::var("CANDLE_ATTENTION_DECODE_PREFETCH").as_deref() {
-            Ok("1") => true,
-            Ok("0") => false,
-            _ => super::decode_prefetch_by_default(),
-        },
-    )
-}
-
-/// Asks for the cache lines of the `bytes` bytes from `p`, a hint that never faults
-/// (`p` may point past the data).
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn prefetch_bytes(p: *const u8, bytes: usize) {
-    let mut b = 0;
-    while b < bytes {
-        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(b));
-        b += 64;
-    }
-}
-
 /// `(Q strip rows, K base, K row stride, key count, score rows, score row stride)`.
 type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize);
 
@@ -1309,7 +1274,7 @@ unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const EQ: usize>((qs, k
     // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
     // sums from the previous 16 keys, which the masked store drops).
     let mut part = [[_mm512_setzero_ps(); 16]; R];
-    let pf = T != F32 && prefetch_half_rows();
+    let pf = T != F32 && half_rows();
     let mut j = 0;
     while j < nk {
         let cnt = (nk - j).min(16);
@@ -1367,7 +1332,7 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
     // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
     // sums from the previous 16 keys, which the masked store drops).
     let mut part = [[_mm512_setzero_ps(); 16]; R];
-    let pf = T != F32 && prefetch_half_rows();
+    let pf = T != F32 && half_rows();
     let mut j = 0;
     while j < nk {
         let cnt = (nk - j).min(16);

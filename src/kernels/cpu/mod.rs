@@ -54,7 +54,7 @@
 //!   and walks each K and V row to its end before the next, keys in order
 //!   (`avx512::qk_dot_impl`, `avx512::pv_rows`), which the hardware prefetchers follow
 //!   from DRAM. On Intel CPUs they also ask for f16/bf16 rows 16 keys ahead (software
-//!   prefetch, `avx512::prefetch_half_rows`); f32 rows, and other vendors' CPUs, take
+//!   prefetch, `prefetch::half_rows`); f32 rows, and other vendors' CPUs, take
 //!   none. On AVX2 the decode
 //!   kernels do the same (f16 with F16C): scores only for the live rows
 //!   (`avx2::qk_dot`), and a `P·V` that walks each V row to its end, four keys at a
@@ -104,6 +104,7 @@ mod pack;
 pub(crate) mod pages;
 pub(crate) mod par;
 mod portable;
+mod prefetch;
 mod softcap;
 mod store;
 mod tiles;
@@ -113,6 +114,7 @@ mod vnni;
 
 pub use causal::Causal;
 pub use isa::Isa;
+pub use prefetch::decode_prefetch_by_default;
 use view::{Data, MaskView, View};
 
 /// The instruction set the kernel dispatches to on this machine: "avx512", "avx2+fma",
@@ -404,24 +406,6 @@ pub fn amx_enabled() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         amx_plan(DType::F16, Isa::selected()).is_some()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// Whether the AVX-512 decode kernels ask for f16/bf16 K/V rows ahead (software
-/// prefetch) when `CANDLE_ATTENTION_DECODE_PREFETCH` does not say (`1` on, `0` off; read
-/// once per process, at the first half-precision decode): on Intel CPUs, where it made
-/// bf16 and f16 decode of long caches faster, and not on others (see the kernel notes).
-/// Does not read the variable.
-pub fn decode_prefetch_by_default() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // CPUID leaf 0: the vendor string, in EBX, EDX, ECX.
-        let r = std::arch::x86_64::__cpuid(0);
-        [r.ebx, r.edx, r.ecx] == [*b"Genu", *b"ineI", *b"ntel"].map(u32::from_le_bytes)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
