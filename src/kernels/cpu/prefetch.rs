@@ -8,19 +8,20 @@
 #[cfg(target_arch = "x86_64")]
 pub(crate) const PF_KEYS: usize = 16;
 
-/// Asks for the cache lines of `bytes` bytes from `p` (a hint that never faults, so `p`
-/// may point past the data).
-///
-/// # Safety
-/// None beyond the call itself: a prefetch reads nothing. (`unsafe` as the callers'
-/// pointer arithmetic is.)
+/// Asks for the cache lines of `bytes` bytes from `p`. A prefetch is a hint that reads
+/// nothing and never faults, so `p` may point anywhere, past the data included.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-pub(crate) unsafe fn prefetch_bytes(p: *const u8, bytes: usize) {
+pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
     let mut b = 0;
     while b < bytes {
-        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(b));
+        // SAFETY: a prefetch touches no memory the program can observe and cannot fault,
+        // whatever the address (SSE, which every x86-64 CPU has).
+        #[allow(unused_unsafe)]
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(b))
+        };
         b += 64;
     }
 }
