@@ -1,7 +1,7 @@
-//! Software prefetch for the decode kernels, which stream K/V rows that are each read
-//! once: how far ahead they ask ([`PF_KEYS`]), the request itself (`prefetch_bytes`),
-//! and whether the AVX-512 kernels ask for half-precision rows on this CPU
-//! (`half_rows`, [`decode_prefetch_by_default`]).
+//! Software prefetch: the request itself (`prefetch_bytes`, also behind
+//! `View::prefetch_row`), and for the decode kernels, which stream K/V rows that are each
+//! read once, how far ahead they ask ([`PF_KEYS`]) and whether the AVX-512 kernels ask
+//! for half-precision rows on this CPU (`half_rows`, [`decode_prefetch_by_default`]).
 
 /// How many keys ahead the decode kernels ask for K/V rows: all rows on AVX2, f16/bf16
 /// rows on AVX-512 where `half_rows` says so.

@@ -49,23 +49,14 @@ impl View<'_> {
         #[cfg(target_arch = "x86_64")]
         {
             let (ptr, len, size) = match self.data {
-                Data::F32(s) => (s.as_ptr() as *const i8, s.len(), 4),
-                Data::F16(s) => (s.as_ptr() as *const i8, s.len(), 2),
-                Data::BF16(s) => (s.as_ptr() as *const i8, s.len(), 2),
+                Data::F32(s) => (s.as_ptr() as *const u8, s.len(), 4),
+                Data::F16(s) => (s.as_ptr() as *const u8, s.len(), 2),
+                Data::BF16(s) => (s.as_ptr() as *const u8, s.len(), 2),
             };
             if self.strides[3] != 1 || off.saturating_add(n) > len {
                 return;
             }
-            let mut b = 0;
-            while b < n * size {
-                // SAFETY: the address lies inside the borrowed slice (checked above), and
-                // a prefetch never faults.
-                unsafe {
-                    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                    _mm_prefetch::<_MM_HINT_T0>(ptr.add(off * size + b));
-                }
-                b += 64;
-            }
+            super::prefetch::prefetch_bytes(ptr.wrapping_add(off * size), n * size);
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (off, n);
