@@ -169,8 +169,9 @@ pub const SHAPES: &[Shape] = &[
     },
     // The AVX-512 decode kernels that walk K and V rows in order: 7 rows per kv head
     // against 13 output panels (panel chunks of 8, 4 and 1; row tiles of 2, 2, 2, 1, then
-    // 6, 1) with E = 256 (Q rows in registers, one per strip); E = 64 in strips of 4 and
-    // 3 rows against Ev = 256 (one 16-panel chunk); E = 128 in strips of 2 and 1 rows.
+    // 6, 1) with E = 256 (score strips of 4 and 3 rows, the first row's Q in registers);
+    // E = 64 in strips of 4 and 3 rows against Ev = 256 (one 16-panel chunk); E = 128 in
+    // one strip of 3 rows (the third row's Q read from memory).
     Shape {
         b: 1,
         hq: 7,
@@ -197,6 +198,35 @@ pub const SHAPES: &[Shape] = &[
         s: 70,
         e: 128,
         ev: 128,
+    },
+    // Score strips of 8 rows and a tail of 1 at E = 64 (rows 4–7 read Q from memory),
+    // of 4 rows at E = 128 (a GQA group of 4, as in Llama 3 8B), and of 2 at E = 256.
+    Shape {
+        b: 1,
+        hq: 9,
+        hkv: 1,
+        l: 1,
+        s: 77,
+        e: 64,
+        ev: 64,
+    },
+    Shape {
+        b: 1,
+        hq: 8,
+        hkv: 2,
+        l: 1,
+        s: 140,
+        e: 128,
+        ev: 128,
+    },
+    Shape {
+        b: 1,
+        hq: 4,
+        hkv: 2,
+        l: 1,
+        s: 70,
+        e: 256,
+        ev: 64,
     },
     Shape {
         b: 2,
