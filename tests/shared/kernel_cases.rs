@@ -168,10 +168,11 @@ pub const SHAPES: &[Shape] = &[
         ev: 64,
     },
     // The AVX-512 decode kernels that walk K and V rows in order: 7 rows per kv head
-    // against 13 output panels (panel chunks of 8, 4 and 1; row tiles of 2, 2, 2, 1, then
-    // 6, 1) with E = 256 (score strips of 4 and 3 rows, the first row's Q in registers);
-    // E = 64 in strips of 4 and 3 rows against Ev = 256 (one 16-panel chunk); E = 128 in
-    // one strip of 3 rows (the third row's Q read from memory).
+    // against 13 output panels (panel chunks of 4, 4, 4 and 1, row tiles of 6 and 1 in
+    // each) with E = 256 (score strips of 4 and 3 rows, the first row's Q in registers);
+    // E = 64 in strips of 4 and 3 rows against Ev = 256 (panel chunks of 4); E = 128 in
+    // one strip of 3 rows (the third row's Q read from memory) against one chunk of 8
+    // panels in f32 (row tiles of 2 and 1) and two chunks of 4 in half precision.
     Shape {
         b: 1,
         hq: 7,
@@ -200,7 +201,8 @@ pub const SHAPES: &[Shape] = &[
         ev: 128,
     },
     // Score strips of 8 rows and a tail of 1 at E = 64 (rows 4–7 read Q from memory),
-    // of 4 rows at E = 128 (a GQA group of 4, as in Llama 3 8B), and of 2 at E = 256.
+    // of 4 rows at E = 128 (a GQA group of 4, as in Llama 3 8B), and of 2 at E = 256
+    // against 16 output panels (two chunks of 8, one 2-row tile each).
     Shape {
         b: 1,
         hq: 9,
@@ -226,7 +228,7 @@ pub const SHAPES: &[Shape] = &[
         l: 1,
         s: 70,
         e: 256,
-        ev: 64,
+        ev: 256,
     },
     Shape {
         b: 2,
