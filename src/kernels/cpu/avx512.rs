@@ -1229,8 +1229,8 @@ unsafe fn qk_dot_impl<const T: u8>(
         // Common head sizes: strips of up to 8 rows (4 with 256 elements), up to 16
         // vectors of Q in registers.
         let r = match e {
-            64 | 128 if rem >= 8 => 8,
-            64 | 128 | 256 => rem.min(4),
+            64 | 128 => rem.min(8),
+            256 => rem.min(4),
             _ => rem.min(MR),
         };
         let args = (qs, k, ldk, nk, sp, lds);
@@ -1239,11 +1239,17 @@ unsafe fn qk_dot_impl<const T: u8>(
             (64, 2) => qk_rows_strip_reg::<T, 2, 2, 4>(args),
             (64, 3) => qk_rows_strip_reg::<T, 3, 3, 4>(args),
             (64, 4) => qk_rows_strip_reg::<T, 4, 4, 4>(args),
+            (64, 5) => qk_rows_strip_reg::<T, 5, 4, 4>(args),
+            (64, 6) => qk_rows_strip_reg::<T, 6, 4, 4>(args),
+            (64, 7) => qk_rows_strip_reg::<T, 7, 4, 4>(args),
             (64, _) => qk_rows_strip_reg::<T, 8, 4, 4>(args),
             (128, 1) => qk_rows_strip_reg::<T, 1, 1, 8>(args),
             (128, 2) => qk_rows_strip_reg::<T, 2, 2, 8>(args),
             (128, 3) => qk_rows_strip_reg::<T, 3, 2, 8>(args),
             (128, 4) => qk_rows_strip_reg::<T, 4, 2, 8>(args),
+            (128, 5) => qk_rows_strip_reg::<T, 5, 2, 8>(args),
+            (128, 6) => qk_rows_strip_reg::<T, 6, 2, 8>(args),
+            (128, 7) => qk_rows_strip_reg::<T, 7, 2, 8>(args),
             (128, _) => qk_rows_strip_reg::<T, 8, 2, 8>(args),
             (256, 1) => qk_rows_strip_reg::<T, 1, 1, 16>(args),
             (256, 2) => qk_rows_strip_reg::<T, 2, 1, 16>(args),
@@ -1892,5 +1898,73 @@ mod tests {
         // SAFETY: as above.
         unsafe { _mm512_storeu_ps(out.as_mut_ptr(), exp2_512(_mm512_loadu_ps(special.as_ptr()))) };
         assert_eq!(&out[..8], &[0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 2.0]);
+    }
+
+    /// `qk_dot_raw` against f64 dot products for every live row count of a decode group
+    /// (1..=24, so every score strip and its dispatch arm), at the head sizes with
+    /// register strips (64, 128, 256) and one without (80), for f32, bf16 and f16 K rows
+    /// (read in place; bf16 with Q in the split layout), over 70 keys (a tail of 6 after
+    /// 64). Padding rows must get zero scores.
+    #[test]
+    fn decode_scores_match_f64_for_every_strip() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("note: no AVX-512F on this machine; decode scores not exercised");
+            return;
+        }
+        let (nk, lds) = (70usize, 80usize);
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        for e in [64usize, 128, 256, 80] {
+            let kf: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
+            let kb: Vec<half::bf16> = kf.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let kh: Vec<half::f16> = kf.iter().map(|&x| half::f16::from_f32(x)).collect();
+            for live in 1..=24usize {
+                let rows = live.div_ceil(MR) * MR;
+                let q: Vec<f32> = (0..rows * e).map(|i| val(i, 11)).collect();
+                for dt in 0..3 {
+                    if dt > 0 && !e.is_multiple_of(16) {
+                        continue;
+                    }
+                    // The K rows each dtype reads, widened exactly, for the reference.
+                    let kw: Vec<f64> = match dt {
+                        0 => kf.iter().map(|&x| x as f64).collect(),
+                        1 => kb.iter().map(|x| x.to_f64()).collect(),
+                        _ => kh.iter().map(|x| x.to_f64()).collect(),
+                    };
+                    let mut qk = q.clone();
+                    if dt == 1 {
+                        for row in qk.chunks_exact_mut(e) {
+                            split_pairs(row);
+                        }
+                    }
+                    let mut s = vec![f32::NAN; rows * lds];
+                    let k = match dt {
+                        0 => Data::F32(&kf),
+                        1 => Data::BF16(&kb),
+                        _ => Data::F16(&kh),
+                    };
+                    // SAFETY: AVX-512F detected above.
+                    unsafe { qk_dot_raw(&qk, rows, live, e, k, e, nk, &mut s, lds) };
+                    for r in 0..rows {
+                        for j in 0..nk {
+                            let got = s[r * lds + j] as f64;
+                            if r >= live {
+                                assert_eq!(
+                                    got, 0.0,
+                                    "padding row {r} key {j} (e {e}, live {live}, dtype {dt})"
+                                );
+                                continue;
+                            }
+                            let (qr, kr) = (&q[r * e..(r + 1) * e], &kw[j * e..(j + 1) * e]);
+                            let want: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b).sum();
+                            let mag: f64 = qr.iter().zip(kr).map(|(&a, &b)| (a as f64 * b).abs()).sum();
+                            assert!(
+                                (got - want).abs() <= 1e-6 * mag,
+                                "row {r} key {j} (e {e}, live {live}, dtype {dt}): {got} against {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }
