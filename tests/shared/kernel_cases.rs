@@ -170,7 +170,7 @@ pub const SHAPES: &[Shape] = &[
     // The AVX-512 decode kernels that walk K and V rows in order: 7 rows per kv head
     // against 13 output panels (panel chunks of 4, 4, 4 and 1, row tiles of 6 and 1 in
     // each) with E = 256 (score strips of 4 and 3 rows, the first row's Q in registers);
-    // E = 64 in strips of 4 and 3 rows against Ev = 256 (panel chunks of 4); E = 128 in
+    // E = 64 in one strip of 7 rows against Ev = 256 (panel chunks of 4); E = 128 in
     // one strip of 3 rows (the third row's Q read from memory) against one chunk of 8
     // panels in f32 (row tiles of 2 and 1) and two chunks of 4 in half precision.
     Shape {
