@@ -1662,7 +1662,10 @@ fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
 /// visible block sets it to that block's maximum, and later blocks keep `m_new = m_old`
 /// (`alpha = 1`, one pass over the row, no rescale of the output) unless their maximum
 /// exceeds it by more than [`LAZY_RESCALE_LOG2`], when `m_new` becomes their maximum
-/// (a second pass). `p ≤ 2^8` either way.
+/// (a second pass). A first block whose keys are all visible takes the maximum of its
+/// first 16 keys as `m_old` in the same way, which saves the pass for its maximum (when
+/// those 16 have no finite score, the maximum pass runs). `p ≤ 2^8` either way, and a
+/// first block's `m_new` lies within [`LAZY_RESCALE_LOG2`] below its maximum.
 ///
 /// # Safety
 /// AVX-512F, AVX512DQ and AVX512-BF16 must be available; `hi` (and `lo`, unless null)
@@ -1737,9 +1740,25 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
         let alpha = _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)));
         return (m_new, alpha, sum);
     }
-    // The row's first visible block: its maximum first, then the exponentials.
     let xp = x.as_ptr();
     let cv = _mm512_set1_ps(c);
+    if a == 0 && z == w {
+        // The row's first visible block, every key visible: the maximum of its first 16
+        // keys is a provisional reference, redone as above when the block's maximum runs
+        // more than `LAZY_RESCALE_LOG2` ahead of it. That saves a pass over the row for
+        // its maximum.
+        let m0 = _mm512_reduce_max_ps(_mm512_mul_ps(_mm512_loadu_ps(xp), cv));
+        if m0.is_finite() {
+            let (sum, t_max) = exp_pass::<HI_ONLY>(x, (a, z), c, m0, hi, lo);
+            if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(t_max, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
+                return (m0, 1.0, sum);
+            }
+            let m_new = m0 + _mm512_reduce_max_ps(t_max);
+            let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
+            return (m_new, 1.0, sum);
+        }
+    }
+    // The row's first visible block: its maximum first, then the exponentials.
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let full = a == 0 && z == w;
     let mask = |i: usize| if full { 0xffff } else { chunk_mask(i, (a, z)) };
@@ -1789,6 +1808,9 @@ unsafe fn exp_pass<const HI_ONLY: bool>(
     lo: *mut u16,
 ) -> (__m512, __m512) {
     let w = x.len();
+    if HI_ONLY && a == 0 && z == w {
+        return exp_pass_full_hi(x, c, m, hi);
+    }
     let xp = x.as_ptr();
     let cv = _mm512_set1_ps(c);
     let mv = _mm512_set1_ps(m);
@@ -1820,6 +1842,46 @@ unsafe fn exp_pass<const HI_ONLY: bool>(
     }
     if i < w {
         chunk(i, &mut s0, &mut tm0);
+    }
+    (_mm512_add_ps(s0, s1), _mm512_max_ps(tm0, tm1))
+}
+
+/// [`exp_pass`] of a row whose keys are all visible, with one bf16 component: no lane
+/// masks, and each 32 keys' probabilities rounded by one `VCVTNE2PS2BF16` and stored as
+/// one 64-byte vector (the row starts on a 64-byte boundary in the AMX path's buffer).
+/// The results are those of [`exp_pass`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+unsafe fn exp_pass_full_hi(x: &[f32], c: f32, m: f32, hi: *mut u16) -> (__m512, __m512) {
+    let w = x.len();
+    let xp = x.as_ptr();
+    let cv = _mm512_set1_ps(c);
+    let mv = _mm512_set1_ps(m);
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let (mut tm0, mut tm1) = (ninf, ninf);
+    let mut i = 0;
+    while i + 32 <= w {
+        let t0 = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
+        let t1 = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i + 16)), cv, mv);
+        // As in `exp_pass`: `max(t, tm)` keeps `tm` where `t` is NaN.
+        tm0 = _mm512_max_ps(t0, tm0);
+        tm1 = _mm512_max_ps(t1, tm1);
+        let e0 = exp2_512_short::<true>(t0, 0xffff);
+        let e1 = exp2_512_short::<true>(t1, 0xffff);
+        s0 = _mm512_add_ps(s0, e0);
+        s1 = _mm512_add_ps(s1, e1);
+        // Keys `i..i + 16` from `e0` in the low half, `i + 16..i + 32` from `e1`.
+        let h = _mm512_cvtne2ps_pbh(e1, e0);
+        _mm512_storeu_si512(hi.add(i) as *mut _, std::mem::transmute::<__m512bh, __m512i>(h));
+        i += 32;
+    }
+    if i < w {
+        let t = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
+        tm0 = _mm512_max_ps(t, tm0);
+        let e = exp2_512_short::<true>(t, 0xffff);
+        s0 = _mm512_add_ps(s0, e);
+        store_components(e, hi.add(i), std::ptr::null_mut());
     }
     (_mm512_add_ps(s0, s1), _mm512_max_ps(tm0, tm1))
 }
@@ -1871,6 +1933,117 @@ pub(crate) unsafe fn store_bf16(dst: *mut half::bf16, src: &[f32], scale: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `softmax_row_bf16` against f64 on rows of 1, 3, 4 and 16 chunks (the 32-key steps
+    /// of the all-visible pass and their 16-key tail), all visible or a part, a row's
+    /// first block (`m_old = −inf`) or a later one, with one or two bf16 components, on
+    /// rows that keep the reference and rows that force a redo: a score more than
+    /// `LAZY_RESCALE_LOG2` above the first 16 keys' maximum (the provisional reference of
+    /// an all-visible first block) or above `m_old`, and a first chunk of `−inf` (an
+    /// additive mask) that leaves no provisional reference. Checks the reference
+    /// (`max − 8 ≤ m_new ≤ max` for a first block), `alpha`, every probability
+    /// component (0 outside `[a, z)`), and the lane-wise sums.
+    #[test]
+    fn softmax_row_bf16_matches_f64() {
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512bf16"))
+        {
+            eprintln!("note: no AVX-512F/DQ/BF16 on this machine; softmax_row_bf16 not exercised");
+            return;
+        }
+        let c = 0.18f32;
+        let bf = |v: u16| half::bf16::from_bits(v).to_f64();
+        for w in [16usize, 48, 64, 256] {
+            for kind in 0..4 {
+                let mut x: Vec<f32> = (0..w).map(|i| ((i * 37 + 11) % 53) as f32 / 4.0 - 6.0).collect();
+                match kind {
+                    // A score 20/c·… above the rest, after the first 16 keys.
+                    1 => x[w - 1] = 150.0,
+                    // The spike inside the first 16 keys.
+                    2 => x[5] = 150.0,
+                    // The first chunk masked out additively.
+                    3 => x[..16].fill(f32::NEG_INFINITY),
+                    _ => {}
+                }
+                let ranges = [(0, w), (3, w - 2), (w / 2, w)];
+                for (a, z) in ranges {
+                    for m_old in [f32::NEG_INFINITY, 1.0, -30.0] {
+                        for two in [false, true] {
+                            let vis: Vec<f64> = (a..z).map(|i| c as f64 * x[i] as f64).collect();
+                            let vmax = vis.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                            let mut hi = vec![0xffffu16; w];
+                            let mut lo = vec![0xffffu16; w];
+                            let l_old = 0.5f32;
+                            let mut l16 = [l_old / 16.0; 16];
+                            let lo_p = if two {
+                                lo.as_mut_ptr()
+                            } else {
+                                std::ptr::null_mut()
+                            };
+                            // SAFETY: features checked above; `hi` and `lo` hold `w` elements.
+                            let (m_new, alpha) = unsafe {
+                                softmax_row_bf16(&x, (a, z), c, m_old, (hi.as_mut_ptr(), lo_p), &mut l16)
+                            };
+                            let what = format!("w {w} kind {kind} [{a}, {z}) m_old {m_old} two {two}");
+                            if vmax == f64::NEG_INFINITY {
+                                // No finite score: the reference stays, every p is 0.
+                                assert_eq!((m_new, alpha), (m_old, 1.0), "{what}");
+                                assert!(hi.iter().all(|&h| h == 0), "{what}");
+                                let l: f32 = l16.iter().sum();
+                                assert!((l - l_old).abs() <= 1e-6, "{what}: l {l}");
+                                continue;
+                            }
+                            let m = m_new as f64;
+                            if m_old == f32::NEG_INFINITY {
+                                assert!(
+                                    m >= vmax - 8.0 - 1e-4 && m <= vmax + 1e-4,
+                                    "{what}: m_new {m} max {vmax}"
+                                );
+                                assert_eq!(alpha, 1.0, "{what}");
+                            } else {
+                                assert!(
+                                    m >= m_old as f64 && m >= vmax - 8.0 - 1e-4,
+                                    "{what}: m_new {m} max {vmax}"
+                                );
+                                let want = (m_old as f64 - m).exp2();
+                                assert!(
+                                    (alpha as f64 - want).abs() <= 1e-6 * want.max(1e-30),
+                                    "{what}: alpha {alpha} want {want}"
+                                );
+                            }
+                            let mut sum = 0f64;
+                            for i in 0..w {
+                                let got = bf(hi[i]) + if two { bf(lo[i]) } else { 0.0 };
+                                if i < a || i >= z {
+                                    assert_eq!(got, 0.0, "{what}: key {i} outside");
+                                    continue;
+                                }
+                                let p = (c as f64 * x[i] as f64 - m).exp2();
+                                sum += p;
+                                // Relative: the short polynomial (1.1e-4 or 3e-6), the rounding
+                                // to bf16 components (half an ulp, at most 2⁻⁸ or 2⁻¹⁶ of the
+                                // value) and `c·x − m` in f32 (|c·x| ≤ 27 here: 2e-6).
+                                let tol = 2e-6
+                                    + if two {
+                                        3e-6 + 2f64.powi(-16)
+                                    } else {
+                                        1.1e-4 + 2f64.powi(-8)
+                                    };
+                                assert!(
+                                    (got - p).abs() <= tol * p + 1e-37,
+                                    "{what}: key {i} p {p} got {got}"
+                                );
+                            }
+                            let l: f64 = l16.iter().map(|&v| v as f64).sum();
+                            let want = alpha as f64 * l_old as f64 + sum;
+                            assert!((l - want).abs() <= 2e-4 * want, "{what}: l {l} want {want}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn exp2_512_accuracy() {
