@@ -1958,7 +1958,8 @@ mod tests {
             for kind in 0..4 {
                 let mut x: Vec<f32> = (0..w).map(|i| ((i * 37 + 11) % 53) as f32 / 4.0 - 6.0).collect();
                 match kind {
-                    // A score 20/c·… above the rest, after the first 16 keys.
+                    // A score far above the rest (c·150 = 27 against at most 1.4),
+                    // after the first 16 keys.
                     1 => x[w - 1] = 150.0,
                     // The spike inside the first 16 keys.
                     2 => x[5] = 150.0,
