@@ -15,8 +15,8 @@ pub(super) const SBK: usize = AMX_GROUP * BK;
 /// Row stride of the AMX super-block's score buffer, in floats: [`SBK`] and one more
 /// cache line. With rows 1 KiB apart, the 16 rows of a tile store fall in 4 of the 64
 /// L1 sets of a 48 KiB 12-way cache; 1088 bytes apart, in 16. On the Intel Xeon VM
-/// (one thread, the two strides alternating call by call) bf16 `gpt1k_causal` took 5%
-/// less time and `enc512` 0.5–4% less (kernel notes).
+/// (one thread, the two strides alternating call by call) bf16 `gpt1k_causal` took 5–6%
+/// less time, `enc512` 0.4–4% less and `enc1k_d128` the same within 2% (kernel notes).
 #[cfg(target_arch = "x86_64")]
 const SLD: usize = SBK + 16;
 
