@@ -9,6 +9,16 @@ use super::view::{Data, View};
 /// Largest padded row count (all query heads × queries of a group) using the decode path.
 pub(crate) const DECODE_MAX_ROWS: usize = 24;
 
+/// Most query rows per group that bf16 decode keeps on the decode kernels where the AMX
+/// tile unit runs the bf16 products; groups with more rows take the AMX path, which
+/// packs each K/V block once per group and runs both products on 16-row tiles. On the
+/// Intel Xeon VM of 2026-12-06 (both threads, the two paths alternating call by call)
+/// the tiles took 9–45% less time from 9 rows up (Llama 3's 4 query heads per KV head
+/// with 3–6 queries: 30–43% less), about the same at 8 rows of 128 and 11% less at 8
+/// of 64, and 36–56% more at 4 rows (kernel notes).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const AMX_DECODE_MAX_ROWS: usize = 8;
+
 /// Rows `j0 .. j0 + nk` of `(b, kvh)` as a row-major f32 matrix `(slice, row stride)`.
 /// Borrowed from the source when it is f32 with unit inner stride (and `width` is a
 /// multiple of `align`); otherwise converted into `buf` with row stride

@@ -470,7 +470,15 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
         }
         items.sort_by_key(|it| std::cmp::Reverse(it.cost));
         let rows_pad = rows_per_group.div_ceil(ROW_ALIGN) * ROW_ALIGN;
-        let src = if rows_pad <= DECODE_MAX_ROWS && e.is_multiple_of(K_ALIGN) {
+        // bf16 groups of more than `AMX_DECODE_MAX_ROWS` rows run faster on the AMX tiles
+        // (`KvSrc::Stream` goes to `process_amx`).
+        #[cfg(target_arch = "x86_64")]
+        let tiles = rows_per_group > super::decode::AMX_DECODE_MAX_ROWS
+            && p.amx
+                .is_some_and(|pl| pl.unit == amx::Unit::Tiles && pl.comps == 1);
+        #[cfg(not(target_arch = "x86_64"))]
+        let tiles = false;
+        let src = if rows_pad <= DECODE_MAX_ROWS && e.is_multiple_of(K_ALIGN) && !tiles {
             KvSrc::Rows
         } else {
             KvSrc::Stream
