@@ -1728,16 +1728,13 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
     let w = x.len();
     debug_assert!(w.is_multiple_of(16) && a <= z && z <= w);
     if m_old > f32::NEG_INFINITY {
-        // One pass against the running maximum, tracking this block's own maximum.
-        let (sum, t_max) = exp_pass::<HI_ONLY>(x, (a, z), c, m_old, hi, lo);
-        // No lane above the bound: the common case needs no horizontal maximum.
-        if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(t_max, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
-            return (m_old, 1.0, sum);
-        }
-        // The block's maximum ran ahead: redo the row against it.
-        let m_new = m_old + _mm512_reduce_max_ps(t_max);
-        let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
-        let alpha = _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)));
+        // One pass against the running maximum.
+        let (m_new, sum, redone) = lazy_pass::<HI_ONLY>(x, (a, z), c, m_old, hi, lo);
+        let alpha = if redone {
+            _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - m_new)))
+        } else {
+            1.0
+        };
         return (m_new, alpha, sum);
     }
     let xp = x.as_ptr();
@@ -1749,12 +1746,7 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
         // its maximum.
         let m0 = _mm512_reduce_max_ps(_mm512_mul_ps(_mm512_loadu_ps(xp), cv));
         if m0.is_finite() {
-            let (sum, t_max) = exp_pass::<HI_ONLY>(x, (a, z), c, m0, hi, lo);
-            if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(t_max, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
-                return (m0, 1.0, sum);
-            }
-            let m_new = m0 + _mm512_reduce_max_ps(t_max);
-            let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
+            let (m_new, sum, _) = lazy_pass::<HI_ONLY>(x, (a, z), c, m0, hi, lo);
             return (m_new, 1.0, sum);
         }
     }
@@ -1791,6 +1783,30 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
     }
     let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
     (m_new, 1.0, sum)
+}
+
+/// [`exp_pass`] against the reference `m`, tracking the block's own maximum; when that
+/// runs more than [`LAZY_RESCALE_LOG2`] ahead of `m`, the row is redone against it.
+/// Returns `(m_new, lane-wise Σ p, whether it was redone)`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+unsafe fn lazy_pass<const HI_ONLY: bool>(
+    x: &[f32],
+    (a, z): (usize, usize),
+    c: f32,
+    m: f32,
+    hi: *mut u16,
+    lo: *mut u16,
+) -> (f32, __m512, bool) {
+    let (sum, t_max) = exp_pass::<HI_ONLY>(x, (a, z), c, m, hi, lo);
+    // No lane above the bound: the common case needs no horizontal maximum.
+    if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(t_max, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
+        return (m, sum, false);
+    }
+    // The block's maximum ran ahead: redo the row against it.
+    let m_new = m + _mm512_reduce_max_ps(t_max);
+    let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
+    (m_new, sum, true)
 }
 
 /// `p = 2^(c·x − m)` on the visible keys `[a, z)` (0 elsewhere) stored as bf16 components
