@@ -1662,10 +1662,10 @@ fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
 /// visible block sets it to that block's maximum, and later blocks keep `m_new = m_old`
 /// (`alpha = 1`, one pass over the row, no rescale of the output) unless their maximum
 /// exceeds it by more than [`LAZY_RESCALE_LOG2`], when `m_new` becomes their maximum
-/// (a second pass). A first block whose keys are all visible takes the maximum of its
-/// first 16 keys as `m_old` in the same way, which saves the pass for its maximum (when
-/// those 16 have no finite score, the maximum pass runs). `p ≤ 2^8` either way, and a
-/// first block's `m_new` lies within [`LAZY_RESCALE_LOG2`] below its maximum.
+/// (a second pass). A row's first visible block takes the maximum of its visible keys in
+/// the 16-key chunk that holds key `a` as `m_old` in the same way, which saves the pass
+/// for its maximum (when those keys have no finite score, the maximum pass runs). `p ≤ 2^8` either way, and a first block's `m_new` lies within
+/// [`LAZY_RESCALE_LOG2`] below its maximum.
 ///
 /// # Safety
 /// AVX-512F, AVX512DQ and AVX512-BF16 must be available; `hi` (and `lo`, unless null)
@@ -1739,19 +1739,23 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
     }
     let xp = x.as_ptr();
     let cv = _mm512_set1_ps(c);
-    if a == 0 && z == w {
-        // The row's first visible block, every key visible: the maximum of its first 16
-        // keys is a provisional reference, redone as above when the block's maximum runs
-        // more than `LAZY_RESCALE_LOG2` ahead of it. That saves a pass over the row for
-        // its maximum.
-        let m0 = _mm512_reduce_max_ps(_mm512_mul_ps(_mm512_loadu_ps(xp), cv));
-        if m0.is_finite() {
-            let (m_new, sum, _) = lazy_pass::<HI_ONLY>(x, (a, z), c, m0, hi, lo);
-            return (m_new, 1.0, sum);
-        }
-    }
-    // The row's first visible block: its maximum first, then the exponentials.
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    // The row's first visible block: the maximum of the visible keys among its first 16
+    // is a provisional reference, redone as above when the block's maximum runs more
+    // than `LAZY_RESCALE_LOG2` ahead of it. That saves a pass over the row for its
+    // maximum.
+    let first = if a == 0 && z >= 16 {
+        0xffff
+    } else {
+        chunk_mask(0, (a, z))
+    };
+    let m0 = _mm512_reduce_max_ps(_mm512_mask_mul_ps(ninf, first, _mm512_loadu_ps(xp), cv));
+    if m0.is_finite() {
+        let (m_new, sum, _) = lazy_pass::<HI_ONLY>(x, (a, z), c, m0, hi, lo);
+        return (m_new, 1.0, sum);
+    }
+    // No finite visible score among those 16: the block's maximum first, then the
+    // exponentials.
     let full = a == 0 && z == w;
     let mask = |i: usize| if full { 0xffff } else { chunk_mask(i, (a, z)) };
     let (mut m0, mut m1) = (ninf, ninf);
@@ -1781,13 +1785,25 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
         }
         return (m_new, 1.0, _mm512_setzero_ps());
     }
-    let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
+    let sum = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
     (m_new, 1.0, sum)
 }
 
-/// [`exp_pass`] against the reference `m`, tracking the block's own maximum; when that
-/// runs more than [`LAZY_RESCALE_LOG2`] ahead of `m`, the row is redone against it.
-/// Returns `(m_new, lane-wise Σ p, whether it was redone)`.
+/// The largest lane-wise `Σ p` of a pass that [`lazy_pass`] takes as proof that no
+/// visible key ran more than [`LAZY_RESCALE_LOG2`] ahead of the reference. An f32 sum of
+/// non-negative terms is at least each of them, and a key with `c·x − m > 8` gets
+/// `p ≥ 2^8 · (1 − 1.1·10⁻⁴) > 255.9` from `exp2_512_short` (either polynomial, or +inf
+/// or NaN), so lane sums of at most 254 leave no such key, whatever the rounding.
+const LAZY_SUM_BOUND: f32 = 254.0;
+
+/// [`exp_pass`] against the reference `m`; when the block's maximum runs more than
+/// [`LAZY_RESCALE_LOG2`] ahead of `m`, the row is redone against that maximum. Returns
+/// `(m_new, lane-wise Σ p, whether it was redone)`.
+///
+/// The pass itself keeps no maximum: lane sums of at most [`LAZY_SUM_BOUND`] show that
+/// no key ran ahead, which is the common case. Only a row with larger sums reads its
+/// scores again for their maximum ([`visible_max`]), and the decision is then the one
+/// the maximum gives, so the result is that of a pass that tracked it.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 unsafe fn lazy_pass<const HI_ONLY: bool>(
@@ -1798,21 +1814,41 @@ unsafe fn lazy_pass<const HI_ONLY: bool>(
     hi: *mut u16,
     lo: *mut u16,
 ) -> (f32, __m512, bool) {
-    let (sum, t_max) = exp_pass::<HI_ONLY>(x, (a, z), c, m, hi, lo);
-    // No lane above the bound: the common case needs no horizontal maximum.
+    let sum = exp_pass::<HI_ONLY>(x, (a, z), c, m, hi, lo);
+    if _mm512_cmp_ps_mask::<_CMP_LE_OQ>(sum, _mm512_set1_ps(LAZY_SUM_BOUND)) == 0xffff {
+        return (m, sum, false);
+    }
+    let t_max = visible_max(x, (a, z), c, m);
     if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(t_max, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
         return (m, sum, false);
     }
     // The block's maximum ran ahead: redo the row against it.
     let m_new = m + _mm512_reduce_max_ps(t_max);
-    let (sum, _) = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
+    let sum = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
     (m_new, sum, true)
 }
 
+/// The lane-wise maximum over the visible keys `[a, z)` of `c·x − m` (-inf in lanes
+/// with no visible key). NaN scores count as invisible, as in `exp2_512_short`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq")]
+unsafe fn visible_max(x: &[f32], (a, z): (usize, usize), c: f32, m: f32) -> __m512 {
+    let xp = x.as_ptr();
+    let (cv, mv) = (_mm512_set1_ps(c), _mm512_set1_ps(m));
+    let mut tm = _mm512_set1_ps(f32::NEG_INFINITY);
+    for i in (0..x.len()).step_by(16) {
+        let t = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
+        // `max(t, tm)` returns `tm` where `t` is NaN.
+        tm = _mm512_mask_max_ps(tm, chunk_mask(i, (a, z)), t, tm);
+    }
+    tm
+}
+
 /// `p = 2^(c·x − m)` on the visible keys `[a, z)` (0 elsewhere) stored as bf16 components
-/// (see [`softmax_row_bf16`]); returns the lane-wise `Σ p` and the lane-wise maximum over
-/// visible keys of `c·x − m` (-inf in lanes with no visible key). Two 16-key chunks per
-/// step, with their own sums and maxima.
+/// (see [`softmax_row_bf16`]); returns the lane-wise `Σ p`. The 32-key steps wholly
+/// inside `[a, z)` run without lane masks ([`exp_steps`]); the 16-key chunks before and
+/// after them take lane masks. Even chunks sum into one accumulator and odd ones into
+/// another, whichever way they run.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 unsafe fn exp_pass<const HI_ONLY: bool>(
@@ -1822,84 +1858,92 @@ unsafe fn exp_pass<const HI_ONLY: bool>(
     m: f32,
     hi: *mut u16,
     lo: *mut u16,
-) -> (__m512, __m512) {
+) -> __m512 {
     let w = x.len();
-    if HI_ONLY && a == 0 && z == w {
-        return exp_pass_full_hi(x, c, m, hi);
+    let (cv, mv) = (_mm512_set1_ps(c), _mm512_set1_ps(m));
+    let zero = _mm512_setzero_ps();
+    if a == 0 && z == w {
+        // Every key visible (the common case): the steps, and a last chunk without a mask.
+        let (s0, s1) = exp_steps::<HI_ONLY>(x, (0, w / 32 * 32), (cv, mv), (hi, lo), (zero, zero));
+        let (s0, s1) = exp_masked::<HI_ONLY>(x, (0, w), (w / 32 * 32, w), (cv, mv), (hi, lo), (s0, s1));
+        return _mm512_add_ps(s0, s1);
     }
+    // The unmasked steps: keys `u0..u1`, or none.
+    let (u0, u1) = (a.div_ceil(32) * 32, z / 32 * 32);
+    let (u0, u1) = if u0 < u1 { (u0, u1) } else { (w, w) };
+    let (s0, s1) = exp_masked::<HI_ONLY>(x, (a, z), (0, u0), (cv, mv), (hi, lo), (zero, zero));
+    let (s0, s1) = exp_steps::<HI_ONLY>(x, (u0, u1), (cv, mv), (hi, lo), (s0, s1));
+    let (s0, s1) = exp_masked::<HI_ONLY>(x, (a, z), (u1, w), (cv, mv), (hi, lo), (s0, s1));
+    _mm512_add_ps(s0, s1)
+}
+
+/// [`exp_pass`] on the 32-key steps of keys `i0..i1` (`i0` and `i1` multiples of 32, all
+/// visible), with no lane masks: with one component, each step's 32 probabilities are
+/// rounded by one `VCVTNE2PS2BF16` and stored as one 64-byte vector (the row starts on
+/// a 64-byte boundary in the AMX path's buffer). Adds to and returns the even and odd
+/// chunks' sums.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+unsafe fn exp_steps<const HI_ONLY: bool>(
+    x: &[f32],
+    (i0, i1): (usize, usize),
+    (cv, mv): (__m512, __m512),
+    (hi, lo): (*mut u16, *mut u16),
+    (mut s0, mut s1): (__m512, __m512),
+) -> (__m512, __m512) {
     let xp = x.as_ptr();
-    let cv = _mm512_set1_ps(c);
-    let mv = _mm512_set1_ps(m);
-    let full = a == 0 && z == w;
-    let mask = |i: usize| if full { 0xffff } else { chunk_mask(i, (a, z)) };
-    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-    let (mut tm0, mut tm1) = (ninf, ninf);
-    // One 16-key chunk at `i` into the sum `s` and maximum `tm`.
-    let chunk = |i: usize, s: &mut __m512, tm: &mut __m512| {
-        let keep = mask(i);
+    let mut i = i0;
+    while i < i1 {
+        let t0 = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
+        let t1 = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i + 16)), cv, mv);
+        let e0 = exp2_512_short::<HI_ONLY>(t0, 0xffff);
+        let e1 = exp2_512_short::<HI_ONLY>(t1, 0xffff);
+        s0 = _mm512_add_ps(s0, e0);
+        s1 = _mm512_add_ps(s1, e1);
+        if HI_ONLY {
+            // Keys `i..i + 16` from `e0` in the low half, `i + 16..i + 32` from `e1`.
+            let h = _mm512_cvtne2ps_pbh(e1, e0);
+            _mm512_storeu_si512(hi.add(i) as *mut _, std::mem::transmute::<__m512bh, __m512i>(h));
+        } else {
+            store_components(e0, hi.add(i), lo.add(i));
+            store_components(e1, hi.add(i + 16), lo.add(i + 16));
+        }
+        i += 32;
+    }
+    (s0, s1)
+}
+
+/// [`exp_pass`] on the 16-key chunks of keys `i0..i1` (`i0` a multiple of 32) with the
+/// lane masks of the visible keys `[a, z)`. Adds to and returns the even and odd chunks'
+/// sums.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+unsafe fn exp_masked<const HI_ONLY: bool>(
+    x: &[f32],
+    (a, z): (usize, usize),
+    (i0, i1): (usize, usize),
+    (cv, mv): (__m512, __m512),
+    (hi, lo): (*mut u16, *mut u16),
+    (mut s0, mut s1): (__m512, __m512),
+) -> (__m512, __m512) {
+    let xp = x.as_ptr();
+    let mut i = i0;
+    while i < i1 {
         let t = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
-        // `max(t, tm)` returns `tm` where `t` is NaN: NaN scores count as invisible here,
-        // as in `exp2_512_short`.
-        *tm = _mm512_mask_max_ps(*tm, keep, t, *tm);
-        let ei = exp2_512_short::<HI_ONLY>(t, keep);
-        *s = _mm512_add_ps(*s, ei);
+        let e = exp2_512_short::<HI_ONLY>(t, chunk_mask(i, (a, z)));
+        if (i / 16) % 2 == 0 {
+            s0 = _mm512_add_ps(s0, e);
+        } else {
+            s1 = _mm512_add_ps(s1, e);
+        }
         store_components(
-            ei,
+            e,
             hi.add(i),
             if HI_ONLY { std::ptr::null_mut() } else { lo.add(i) },
         );
-    };
-    let mut i = 0;
-    while i + 32 <= w {
-        chunk(i, &mut s0, &mut tm0);
-        chunk(i + 16, &mut s1, &mut tm1);
-        i += 32;
+        i += 16;
     }
-    if i < w {
-        chunk(i, &mut s0, &mut tm0);
-    }
-    (_mm512_add_ps(s0, s1), _mm512_max_ps(tm0, tm1))
-}
-
-/// [`exp_pass`] of a row whose keys are all visible, with one bf16 component: no lane
-/// masks, and each 32 keys' probabilities rounded by one `VCVTNE2PS2BF16` and stored as
-/// one 64-byte vector (the row starts on a 64-byte boundary in the AMX path's buffer).
-/// The results are those of [`exp_pass`].
-#[inline]
-#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
-unsafe fn exp_pass_full_hi(x: &[f32], c: f32, m: f32, hi: *mut u16) -> (__m512, __m512) {
-    let w = x.len();
-    let xp = x.as_ptr();
-    let cv = _mm512_set1_ps(c);
-    let mv = _mm512_set1_ps(m);
-    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-    let (mut tm0, mut tm1) = (ninf, ninf);
-    let mut i = 0;
-    while i + 32 <= w {
-        let t0 = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
-        let t1 = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i + 16)), cv, mv);
-        // As in `exp_pass`: `max(t, tm)` keeps `tm` where `t` is NaN.
-        tm0 = _mm512_max_ps(t0, tm0);
-        tm1 = _mm512_max_ps(t1, tm1);
-        let e0 = exp2_512_short::<true>(t0, 0xffff);
-        let e1 = exp2_512_short::<true>(t1, 0xffff);
-        s0 = _mm512_add_ps(s0, e0);
-        s1 = _mm512_add_ps(s1, e1);
-        // Keys `i..i + 16` from `e0` in the low half, `i + 16..i + 32` from `e1`.
-        let h = _mm512_cvtne2ps_pbh(e1, e0);
-        _mm512_storeu_si512(hi.add(i) as *mut _, std::mem::transmute::<__m512bh, __m512i>(h));
-        i += 32;
-    }
-    if i < w {
-        let t = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
-        tm0 = _mm512_max_ps(t, tm0);
-        let e = exp2_512_short::<true>(t, 0xffff);
-        s0 = _mm512_add_ps(s0, e);
-        store_components(e, hi.add(i), std::ptr::null_mut());
-    }
-    (_mm512_add_ps(s0, s1), _mm512_max_ps(tm0, tm1))
+    (s0, s1)
 }
 
 /// `dst[x] = f16(src[x] · scale)` (the product in f32), rounding to nearest even (as
@@ -1971,9 +2015,17 @@ mod tests {
         let c = 0.18f32;
         let bf = |v: u16| half::bf16::from_bits(v).to_f64();
         for w in [16usize, 48, 64, 256] {
-            for kind in 0..4 {
+            for kind in 0..5 {
                 let mut x: Vec<f32> = (0..w).map(|i| ((i * 37 + 11) % 53) as f32 / 4.0 - 6.0).collect();
                 match kind {
+                    // Many keys close to 2^8 above the reference but none past it: lane
+                    // sums above `LAZY_SUM_BOUND` with no redo due (c·x in 5.4..6.5 past
+                    // the first 16 keys, in −1.5..−0.3 on them).
+                    4 => {
+                        for (i, v) in x.iter_mut().enumerate() {
+                            *v = 30.0 + (i % 7) as f32 - if i < 16 { 38.0 } else { 0.0 };
+                        }
+                    }
                     // A score far above the rest (c·150 = 27 against at most 1.4),
                     // after the first 16 keys.
                     1 => x[w - 1] = 150.0,
@@ -2012,6 +2064,21 @@ mod tests {
                                 continue;
                             }
                             let m = m_new as f64;
+                            // The reference the pass starts from: `m_old`, or for a first
+                            // block the maximum of the visible keys in the chunk of key `a`
+                            // (in f32, as the kernel takes it).
+                            let m_start = if m_old > f32::NEG_INFINITY {
+                                m_old
+                            } else {
+                                let a16 = a / 16 * 16;
+                                (a..z.min(a16 + 16))
+                                    .map(|i| x[i] * c)
+                                    .fold(f32::NEG_INFINITY, f32::max)
+                            };
+                            // No visible key more than 8 above it: it stays, with no redo.
+                            if m_start.is_finite() && vmax - (m_start as f64) < 8.0 - 1e-3 {
+                                assert_eq!(m_new, m_start, "{what}: reference moved");
+                            }
                             if m_old == f32::NEG_INFINITY {
                                 assert!(
                                     m >= vmax - 8.0 - 1e-4 && m <= vmax + 1e-4,
