@@ -86,7 +86,9 @@ impl Plan {
         }
     }
 
-    /// [`qk`] on the plan's unit, with its operands.
+    /// [`qk`] on the plan's unit, with its operands. The tiles compute the scores of the
+    /// block's first `panels` 16-key panels (1 to `BK / NR`); the AVX512-BF16 products
+    /// compute all of them.
     ///
     /// # Safety
     /// As for [`qk`], after [`Plan::begin`] on this thread.
@@ -97,18 +99,20 @@ impl Plan {
         qcs: usize,
         tiles: (usize, usize),
         e: usize,
-        kb: *const u16,
+        (kb, panels): (*const u16, usize),
         kcs: usize,
         s: *mut f32,
         lds: usize,
     ) {
         match self.unit {
-            Unit::Tiles => qk(qa, qcs, tiles, e, kb, kcs, self.qk, s, lds),
+            Unit::Tiles => qk(qa, qcs, tiles, e, (kb, panels), kcs, self.qk, s, lds),
             Unit::Avx512Bf16 => super::dpbf16::qk(qa, qcs, tiles, e, kb, kcs, self.qk, s, lds),
         }
     }
 
-    /// [`pv`] on the plan's unit, with its operands.
+    /// [`pv`] on the plan's unit, with its operands. The tiles take the first `last_nt`
+    /// 32-key depth tiles of the last block (1 to `BK / TK`); the AVX512-BF16 products
+    /// take all of its keys.
     ///
     /// # Safety
     /// As for [`pv`], after [`Plan::begin`] on this thread.
@@ -119,14 +123,14 @@ impl Plan {
         pcs: usize,
         ldp: usize,
         rtiles: usize,
-        vbs: &[*const u16],
+        (vbs, last_nt): (&[*const u16], usize),
         vcs: usize,
         nvp: usize,
         o: *mut f32,
         ldo: usize,
     ) {
         match self.unit {
-            Unit::Tiles => pv(pa, pcs, ldp, rtiles, vbs, vcs, nvp, self.pv, o, ldo),
+            Unit::Tiles => pv(pa, pcs, ldp, rtiles, (vbs, last_nt), vcs, nvp, self.pv, o, ldo),
             Unit::Avx512Bf16 => super::dpbf16::pv(pa, pcs, ldp, rtiles, vbs, vcs, nvp, self.pv, o, ldo),
         }
     }
@@ -231,9 +235,9 @@ macro_rules! tdp {
 }
 
 /// `S = Q·Kᵀ` for one block: `rtiles` 16-row tiles of Q (`qa`, per-component stride
-/// `qcs`, row stride `ldq ≥ e_pad(e)` elements) against the [`BK`] keys of a packed K
-/// block (`kb`, per-component stride `kcs`); scores go to `s` (f32, row stride `lds`
-/// floats).
+/// `qcs`, row stride `ldq ≥ e_pad(e)` elements) against the first `panels` 16-key panels
+/// (1 to `BK / NR`) of a packed K block (`kb`, per-component stride `kcs`); scores go to
+/// `s` (f32, row stride `lds` floats), `16·panels` per row.
 ///
 /// # Safety
 /// [`configure`] must have run on this thread; the buffers must hold what the layouts
@@ -244,19 +248,21 @@ pub(crate) unsafe fn qk(
     qcs: usize,
     (rtiles, ldq): (usize, usize),
     e: usize,
-    kb: *const u16,
+    (kb, panels): (*const u16, usize),
     kcs: usize,
     terms: Terms,
     s: *mut f32,
     lds: usize,
 ) {
+    debug_assert!((1..=BK / NR).contains(&panels));
     let ep = e_pad(e);
     let kt = ep / TK;
     let (sa, sb, ss) = (ldq * 2, TK * 2, lds * 4);
     let mut rt = 0;
     while rt < rtiles {
         let two = rt + 1 < rtiles;
-        for panel in (0..BK / NR).step_by(2) {
+        for panel in (0..panels).step_by(2) {
+            let two_p = panel + 1 < panels;
             tzero!(0);
             tzero!(1);
             tzero!(2);
@@ -265,25 +271,36 @@ pub(crate) unsafe fn qk(
                 for t in 0..kt {
                     let a0 = qa.add(ca * qcs + rt * TM * ldq + t * TK);
                     let b0 = kb.add(cb * kcs + (panel * kt + t) * TILE);
-                    let b1 = kb.add(cb * kcs + ((panel + 1) * kt + t) * TILE);
                     tload!(4, a0, sa);
                     tload!(6, b0, sb);
-                    tload!(7, b1, sb);
-                    tdp!(0, 4, 6);
-                    tdp!(1, 4, 7);
-                    if two {
-                        tload!(5, a0.add(TM * ldq), sa);
-                        tdp!(2, 5, 6);
-                        tdp!(3, 5, 7);
+                    if two_p {
+                        tload!(7, b0.add(kt * TILE), sb);
+                        tdp!(0, 4, 6);
+                        tdp!(1, 4, 7);
+                        if two {
+                            tload!(5, a0.add(TM * ldq), sa);
+                            tdp!(2, 5, 6);
+                            tdp!(3, 5, 7);
+                        }
+                    } else {
+                        tdp!(0, 4, 6);
+                        if two {
+                            tload!(5, a0.add(TM * ldq), sa);
+                            tdp!(2, 5, 6);
+                        }
                     }
                 }
             }
             let s0 = s.add(rt * TM * lds + panel * NR);
             tstore!(0, s0, ss);
-            tstore!(1, s0.add(NR), ss);
+            if two_p {
+                tstore!(1, s0.add(NR), ss);
+            }
             if two {
                 tstore!(2, s0.add(TM * lds), ss);
-                tstore!(3, s0.add(TM * lds + NR), ss);
+                if two_p {
+                    tstore!(3, s0.add(TM * lds + NR), ss);
+                }
             }
         }
         rt += if two { 2 } else { 1 };
@@ -293,7 +310,8 @@ pub(crate) unsafe fn qk(
 /// `O += P·V` for a super-block of `vbs.len()` key blocks: `rtiles` 16-row tiles of P
 /// (`pa`, per-component stride `pcs`, row stride `ldp`, key block `i` at column
 /// `i·BK`) against the packed V blocks `vbs` (per-component stride `vcs`, `nvp` column
-/// panels each); `o` is f32 with row stride `ldo` floats (already rescaled).
+/// panels each), of which the last contributes its first `last_nt` 32-key depth tiles
+/// (1 to `BK / TK`); `o` is f32 with row stride `ldo` floats (already rescaled).
 ///
 /// # Safety
 /// As for [`qk`].
@@ -303,7 +321,7 @@ pub(crate) unsafe fn pv(
     pcs: usize,
     ldp: usize,
     rtiles: usize,
-    vbs: &[*const u16],
+    (vbs, last_nt): (&[*const u16], usize),
     vcs: usize,
     nvp: usize,
     terms: Terms,
@@ -312,6 +330,7 @@ pub(crate) unsafe fn pv(
 ) {
     let (sa, sb, so) = (ldp * 2, TK * 2, ldo * 4);
     let nt = BK / TK;
+    debug_assert!((1..=nt).contains(&last_nt));
     let mut rt = 0;
     while rt < rtiles {
         let two_r = rt + 1 < rtiles;
@@ -331,7 +350,8 @@ pub(crate) unsafe fn pv(
             }
             for &(ca, cb) in terms {
                 for (bi, &vb) in vbs.iter().enumerate() {
-                    for t in 0..nt {
+                    let nt_b = if bi + 1 == vbs.len() { last_nt } else { nt };
+                    for t in 0..nt_b {
                         let a0 = pa.add(ca * pcs + rt * TM * ldp + bi * BK + t * TK);
                         let b0 = vb.add(cb * vcs + (cp * nt + t) * TILE);
                         tload!(4, a0, sa);

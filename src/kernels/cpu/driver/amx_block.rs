@@ -160,27 +160,34 @@ pub(super) fn process_amx(
         }
         let sb = ab.s.as_mut_ptr();
         let need_causal = p.bounded() && !(max_lo <= j0 && min_hi >= j0 + nks);
-        // Key blocks each 16-row tile needs from this super-block: on causal edges, a
-        // tile stops at the block holding its last visible key. The scores it skips are
-        // outside every row's visible range, so the softmax never reads them and writes
-        // zero probabilities there, which `P·V` may then skip as well.
-        let mut tile_nb = [nb; BQ.div_ceil(TM)];
+        // Keys each 16-row tile needs from this super-block: all `nks`, or on causal
+        // edges and key-padding bounds up to its rows' last visible key. A tile's scores
+        // stop at the 16-key panel and its `P·V` at the 32-key depth tile that holds
+        // that key. The scores it skips are outside every row's visible range, so the
+        // softmax never reads them and writes zero probabilities there, which `P·V`
+        // may then skip as well.
+        let mut need = [nks; BQ.div_ceil(TM)];
         if need_causal {
-            for (t, v) in tile_nb.iter_mut().enumerate().take(rtiles) {
+            for (t, v) in need.iter_mut().enumerate().take(rtiles) {
                 let h = (t * TM..((t + 1) * TM).min(n)).map(|r| hi[r]).max().unwrap_or(0);
-                *v = h.saturating_sub(j0).div_ceil(BK).min(nb);
+                *v = h.saturating_sub(j0).min(nks);
             }
         }
+        // Key blocks, and 16-key panels of block `bi`, that tile `t` needs.
+        let tile_nb = need.map(|v| v.div_ceil(BK));
+        let panels = |t: usize, bi: usize| need[t].saturating_sub(bi * BK).min(BK).div_ceil(NR);
+        let panels = |t: usize, bi: usize| panels(t & !1, bi).max(panels((t | 1).min(rtiles - 1), bi));
         for (bi, &kbp) in kbs.iter().enumerate().take(nb) {
-            // Runs of consecutive row tiles that see block `bi`.
+            // Runs of consecutive row tiles that need the same panels of block `bi`.
             let mut t0 = 0;
             while t0 < rtiles {
-                if tile_nb[t0] <= bi {
+                let np = panels(t0, bi);
+                if np == 0 {
                     t0 += 1;
                     continue;
                 }
                 let mut t1 = t0 + 1;
-                while t1 < rtiles && tile_nb[t1] > bi {
+                while t1 < rtiles && panels(t1, bi) == np {
                     t1 += 1;
                 }
                 // Tiles `t0..mid` from the source, `mid..t1` from the copy.
@@ -194,12 +201,12 @@ pub(super) fn process_amx(
                     if let (Some((qs, ld)), true) = (q_src, mid > t0) {
                         let q0 = qs.add(t0 * TM * ld);
                         let s0 = sb.add(t0 * TM * SLD + bi * BK);
-                        plan.qk(q0, 0, (mid - t0, ld), e, kbp, kcs, s0, SLD);
+                        plan.qk(q0, 0, (mid - t0, ld), e, (kbp, np), kcs, s0, SLD);
                     }
                     if t1 > mid {
                         let q0 = ab.qa.as_ptr().add(mid * TM * ep);
                         let s0 = sb.add(mid * TM * SLD + bi * BK);
-                        plan.qk(q0, qcs, (t1 - mid, ep), e, kbp, kcs, s0, SLD);
+                        plan.qk(q0, qcs, (t1 - mid, ep), e, (kbp, np), kcs, s0, SLD);
                     }
                 };
                 t0 = t1;
@@ -241,12 +248,14 @@ pub(super) fn process_amx(
                 }
             }
         }
-        // Runs of consecutive row tiles that need the same leading blocks.
+        // Runs of consecutive row tiles that need the same leading blocks, and the same
+        // depth tiles of the last of them.
+        let last_nt = |t: usize| (need[t] - (tile_nb[t] - 1) * BK).div_ceil(vnni::TK);
         let mut t0 = 0;
         while t0 < rtiles {
             let k = tile_nb[t0];
             let mut t1 = t0 + 1;
-            while t1 < rtiles && tile_nb[t1] == k {
+            while t1 < rtiles && tile_nb[t1] == k && (k == 0 || last_nt(t1) == last_nt(t0)) {
                 t1 += 1;
             }
             if k > 0 {
@@ -259,7 +268,7 @@ pub(super) fn process_amx(
                         pcs,
                         SBK,
                         t1 - t0,
-                        &vbs[..k],
+                        (&vbs[..k], last_nt(t0)),
                         vcs,
                         nvp,
                         ov.as_mut_ptr().add(t0 * TM * evp),
