@@ -1664,8 +1664,9 @@ fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
 /// exceeds it by more than [`LAZY_RESCALE_LOG2`], when `m_new` becomes their maximum
 /// (a second pass). A row's first visible block takes the maximum of its visible keys in
 /// the 16-key chunk that holds key `a` as `m_old` in the same way, which saves the pass
-/// for its maximum (when those keys have no finite score, the maximum pass runs). `p ≤ 2^8` either way, and a first block's `m_new` lies within
-/// [`LAZY_RESCALE_LOG2`] below its maximum.
+/// for its maximum (when those keys have no finite score, the maximum pass runs).
+/// `p ≤ 2^8` either way, and a first block's `m_new` lies within [`LAZY_RESCALE_LOG2`]
+/// below its maximum.
 ///
 /// # Safety
 /// AVX-512F, AVX512DQ and AVX512-BF16 must be available; `hi` (and `lo`, unless null)
@@ -1741,9 +1742,9 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
     let cv = _mm512_set1_ps(c);
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     // The row's first visible block: the maximum of the visible keys among its first 16
-    // is a provisional reference, redone as above when the block's maximum runs more
-    // than `LAZY_RESCALE_LOG2` ahead of it. That saves a pass over the row for its
-    // maximum.
+    // keys (the chunk of key `a`) is a provisional reference, redone as above when the
+    // block's maximum runs more than `LAZY_RESCALE_LOG2` ahead of it. That saves a pass
+    // over the row for its maximum.
     let first = if a == 0 && z >= 16 {
         0xffff
     } else {
