@@ -173,10 +173,13 @@ pub(super) fn process_amx(
                 *v = h.saturating_sub(j0).min(nks);
             }
         }
-        // Key blocks, and 16-key panels of block `bi`, that tile `t` needs.
+        // Key blocks that tile `t` needs, and 16-key panels of block `bi` that it needs.
         let tile_nb = need.map(|v| v.div_ceil(BK));
-        let panels = |t: usize, bi: usize| need[t].saturating_sub(bi * BK).min(BK).div_ceil(NR);
-        let panels = |t: usize, bi: usize| panels(t & !1, bi).max(panels((t | 1).min(rtiles - 1), bi));
+        let tile_panels = |t: usize, bi: usize| need[t].saturating_sub(bi * BK).min(BK).div_ceil(NR);
+        // Score panels computed for tile `t`: the larger count of its pair of row tiles,
+        // so that `amx::qk` keeps two row tiles per K tile on causal diagonals.
+        let panels =
+            |t: usize, bi: usize| tile_panels(t & !1, bi).max(tile_panels((t | 1).min(rtiles - 1), bi));
         for (bi, &kbp) in kbs.iter().enumerate().take(nb) {
             // Runs of consecutive row tiles that need the same panels of block `bi`.
             let mut t0 = 0;
