@@ -1,4 +1,4 @@
-//! The AVX-512 decode kernels with their software prefetch of f16/bf16 rows switched
+//! The AVX-512 decode kernels with their software prefetch of K/V rows switched
 //! the other way from this machine's default (`CANDLE_ATTENTION_DECODE_PREFETCH`: on by
 //! default on Intel CPUs only), so that both settings stay covered wherever AVX-512
 //! runs: the default in `tests/kernel.rs`, the other one here. (A separate test binary,

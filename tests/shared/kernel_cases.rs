@@ -99,7 +99,8 @@ pub struct Shape {
 }
 
 pub const SHAPES: &[Shape] = &[
-    // The same with E and Ev multiples of 16 (f16/bf16 rows are then read in place).
+    // The same with E and Ev multiples of 16 (f16/bf16 rows are then read in place, and
+    // on AVX-512 f32 rows take the same in-place kernels).
     Shape {
         b: 2,
         hq: 3,

@@ -8,7 +8,7 @@
 //! AVX512DQ, for `vreduceps`); the dispatcher only selects `Isa::Avx512` after runtime
 //! detection of both.
 
-use super::prefetch::{half_rows, prefetch_bytes, PF_KEYS};
+use super::prefetch::prefetch_bytes;
 use super::tiles::{BK, MR, NR};
 use super::view::Data;
 use std::arch::x86_64::*;
@@ -80,6 +80,16 @@ const LAZY_RESCALE_LOG2: f32 = 8.0;
 const F32: u8 = 0;
 const BF16: u8 = 1;
 const F16: u8 = 2;
+
+/// Bytes per element of kind `T`.
+#[inline]
+const fn elem_bytes<const T: u8>() -> usize {
+    if T == F32 {
+        4
+    } else {
+        2
+    }
+}
 
 /// 16 elements of kind `T` at element index `idx` of `p`, as f32.
 #[inline]
@@ -854,6 +864,7 @@ pub(super) unsafe fn pv(
             segs: [(vp.as_ptr() as *const u8, nk), (std::ptr::null(), 0)],
             vps,
             ldv,
+            ahead: 0,
         };
         pv_impl::<1>(src, rows, live, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
     }
@@ -893,6 +904,7 @@ pub(super) unsafe fn pv_pair(
             segs: [(v0.as_ptr() as *const u8, nk0), (v1.as_ptr() as *const u8, nk1)],
             vps,
             ldv: NR,
+            ahead: 0,
         };
         pv_impl::<2>(src, rows, rows, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
     }
@@ -917,6 +929,9 @@ struct PvSrc {
     segs: [(*const u8, usize); 2],
     vps: usize,
     ldv: usize,
+    /// How many keys ahead the tiles ask for V rows (0: not at all; only decode asks,
+    /// see [`pv_rows`]).
+    ahead: usize,
 }
 
 impl PvSrc {
@@ -1058,12 +1073,11 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
 ) {
     let (vps, ldv, ldp) = (src.vps, src.ldv, src.ldp);
     let mut ps = src.p;
-    let pf = T != F32 && half_rows();
+    let (ahead, size) = (src.ahead, elem_bytes::<T>());
     for &(vb, nk) in &src.segs[..G] {
         for j in 0..nk {
-            if pf {
-                let ahead = (vb as *const u16).wrapping_add(v0 + (j + PF_KEYS) * ldv);
-                prefetch_bytes(ahead as *const u8, N * NR * 2);
+            if ahead > 0 {
+                prefetch_bytes(vb.wrapping_add((v0 + (j + ahead) * ldv) * size), N * NR * size);
             }
             let mut vv = [_mm512_setzero_ps(); N];
             let mut ni = 0;
@@ -1125,9 +1139,7 @@ pub(super) unsafe fn qk_dot(
             rows,
             live.min(rows),
             e,
-            k.as_ptr() as *const u8,
-            ldk,
-            nk,
+            (k.as_ptr() as *const u8, ldk, nk, 0),
             s.as_mut_ptr(),
             lds,
         )
@@ -1147,8 +1159,7 @@ pub(super) unsafe fn qk_dot_raw(
     live: usize,
     e: usize,
     k: Data,
-    ldk: usize,
-    nk: usize,
+    (ldk, nk, ahead): (usize, usize, usize),
     s: &mut [f32],
     lds: usize,
 ) {
@@ -1161,9 +1172,9 @@ pub(super) unsafe fn qk_dot_raw(
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match k {
-            Data::F32(_) => qk_dot_impl::<F32>(qp, rows, live, e, ptr, ldk, nk, sp, lds),
-            Data::BF16(_) => qk_dot_impl::<BF16>(qp, rows, live, e, ptr, ldk, nk, sp, lds),
-            Data::F16(_) => qk_dot_impl::<F16>(qp, rows, live, e, ptr, ldk, nk, sp, lds),
+            Data::F32(_) => qk_dot_impl::<F32>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds),
+            Data::BF16(_) => qk_dot_impl::<BF16>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds),
+            Data::F16(_) => qk_dot_impl::<F16>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds),
         }
     }
 }
@@ -1216,9 +1227,7 @@ unsafe fn qk_dot_impl<const T: u8>(
     rows: usize,
     live: usize,
     e: usize,
-    k: *const u8,
-    ldk: usize,
-    nk: usize,
+    (k, ldk, nk, ahead): (*const u8, usize, usize, usize),
     s: *mut f32,
     lds: usize,
 ) {
@@ -1233,7 +1242,8 @@ unsafe fn qk_dot_impl<const T: u8>(
             256 => rem.min(4),
             _ => rem.min(MR),
         };
-        let args = (qs, k, ldk, nk, sp, lds);
+        let args = (qs, k, ldk, nk, sp, lds, ahead);
+        let kr = (k, ldk, nk, ahead);
         match (e, r) {
             (64, 1) => qk_rows_strip_reg::<T, 1, 1, 4>(args),
             (64, 2) => qk_rows_strip_reg::<T, 2, 2, 4>(args),
@@ -1255,12 +1265,12 @@ unsafe fn qk_dot_impl<const T: u8>(
             (256, 2) => qk_rows_strip_reg::<T, 2, 1, 16>(args),
             (256, 3) => qk_rows_strip_reg::<T, 3, 1, 16>(args),
             (256, _) => qk_rows_strip_reg::<T, 4, 1, 16>(args),
-            (_, 1) => qk_rows_strip::<T, 1>(qs, e, k, ldk, nk, sp, lds),
-            (_, 2) => qk_rows_strip::<T, 2>(qs, e, k, ldk, nk, sp, lds),
-            (_, 3) => qk_rows_strip::<T, 3>(qs, e, k, ldk, nk, sp, lds),
-            (_, 4) => qk_rows_strip::<T, 4>(qs, e, k, ldk, nk, sp, lds),
-            (_, 5) => qk_rows_strip::<T, 5>(qs, e, k, ldk, nk, sp, lds),
-            _ => qk_rows_strip::<T, MR>(qs, e, k, ldk, nk, sp, lds),
+            (_, 1) => qk_rows_strip::<T, 1>(qs, e, kr, sp, lds),
+            (_, 2) => qk_rows_strip::<T, 2>(qs, e, kr, sp, lds),
+            (_, 3) => qk_rows_strip::<T, 3>(qs, e, kr, sp, lds),
+            (_, 4) => qk_rows_strip::<T, 4>(qs, e, kr, sp, lds),
+            (_, 5) => qk_rows_strip::<T, 5>(qs, e, kr, sp, lds),
+            _ => qk_rows_strip::<T, MR>(qs, e, kr, sp, lds),
         }
         r0 += r;
     }
@@ -1270,8 +1280,9 @@ unsafe fn qk_dot_impl<const T: u8>(
     }
 }
 
-/// `(Q strip rows, K base, K row stride, key count, score rows, score row stride)`.
-type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize);
+/// `(Q strip rows, K base, K row stride, key count, score rows, score row stride, keys
+/// ahead to ask for)`.
+type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize, usize);
 
 /// [`qk_dot_impl`] for `R` rows of `e = 16·EQ` elements, the first `QR` of them held in
 /// registers (`QR·EQ ≤ 16` vectors) and the others read from L1 by their FMAs: per key,
@@ -1283,7 +1294,7 @@ type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize);
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const EQ: usize>(
-    (qs, k, ldk, nk, s, lds): DotArgs,
+    (qs, k, ldk, nk, s, lds, ahead): DotArgs,
 ) {
     debug_assert!(QR <= R && QR * EQ <= 16);
     let mut qv = [[_mm512_setzero_ps(); EQ]; QR];
@@ -1303,17 +1314,14 @@ unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const 
     // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
     // sums from the previous 16 keys, which the masked store drops).
     let mut part = [[_mm512_setzero_ps(); 16]; R];
-    let pf = T != F32 && half_rows();
+    let size = elem_bytes::<T>();
     let mut j = 0;
     while j < nk {
         let cnt = (nk - j).min(16);
         for c in 0..cnt {
             let kr = (j + c) * ldk;
-            if pf {
-                prefetch_bytes(
-                    (k as *const u16).wrapping_add(kr + PF_KEYS * ldk) as *const u8,
-                    EQ * 32,
-                );
+            if ahead > 0 {
+                prefetch_bytes(k.wrapping_add((kr + ahead * ldk) * size), EQ * 16 * size);
             }
             let mut acc = [_mm512_setzero_ps(); R];
             let mut i = 0;
@@ -1350,9 +1358,7 @@ unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const 
 unsafe fn qk_rows_strip<const T: u8, const R: usize>(
     qs: *const f32,
     e: usize,
-    k: *const u8,
-    ldk: usize,
-    nk: usize,
+    (k, ldk, nk, ahead): (*const u8, usize, usize, usize),
     s: *mut f32,
     lds: usize,
 ) {
@@ -1361,17 +1367,14 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
     // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
     // sums from the previous 16 keys, which the masked store drops).
     let mut part = [[_mm512_setzero_ps(); 16]; R];
-    let pf = T != F32 && half_rows();
+    let size = elem_bytes::<T>();
     let mut j = 0;
     while j < nk {
         let cnt = (nk - j).min(16);
         for c in 0..cnt {
             let kr = (j + c) * ldk;
-            if pf {
-                prefetch_bytes(
-                    (k as *const u16).wrapping_add(kr + PF_KEYS * ldk) as *const u8,
-                    e * 2,
-                );
+            if ahead > 0 {
+                prefetch_bytes(k.wrapping_add((kr + ahead * ldk) * size), e * size);
             }
             let mut acc = [_mm512_setzero_ps(); R];
             let mut x = 0;
@@ -1436,8 +1439,7 @@ pub(super) unsafe fn pv_rows(
     live: usize,
     nk: usize,
     v: Data,
-    ldv: usize,
-    nvp: usize,
+    (ldv, nvp, ahead): (usize, usize, usize),
     o: &mut [f32],
     ldo: usize,
     alpha: &[f32],
@@ -1451,9 +1453,9 @@ pub(super) unsafe fn pv_rows(
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match v {
-            Data::F32(_) => pv_rows_impl::<F32>(pp, live, nk, ptr, ldv, nvp, op, ldo, al),
-            Data::BF16(_) => pv_rows_impl::<BF16>(pp, live, nk, ptr, ldv, nvp, op, ldo, al),
-            Data::F16(_) => pv_rows_impl::<F16>(pp, live, nk, ptr, ldv, nvp, op, ldo, al),
+            Data::F32(_) => pv_rows_impl::<F32>(pp, (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
+            Data::BF16(_) => pv_rows_impl::<BF16>(pp, (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
+            Data::F16(_) => pv_rows_impl::<F16>(pp, (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
         }
     }
 }
@@ -1462,11 +1464,9 @@ pub(super) unsafe fn pv_rows(
 #[target_feature(enable = "avx512f")]
 unsafe fn pv_rows_impl<const T: u8>(
     p: *const f32,
-    live: usize,
-    nk: usize,
+    (live, nk): (usize, usize),
     v: *const u8,
-    ldv: usize,
-    nvp: usize,
+    (ldv, nvp, ahead): (usize, usize, usize),
     o: *mut f32,
     ldo: usize,
     alpha: *const f32,
@@ -1500,6 +1500,7 @@ unsafe fn pv_rows_impl<const T: u8>(
                 segs: [(v, nk), (std::ptr::null(), 0)],
                 vps: NR,
                 ldv,
+                ahead,
             };
             let (v0, op, al) = (n0 * NR, o.add(r0 * ldo + n0 * NR), alpha.add(r0));
             match (n, r) {
@@ -2198,8 +2199,10 @@ mod tests {
                         1 => Data::BF16(&kb),
                         _ => Data::F16(&kh),
                     };
+                    // With and without asking for rows ahead (past the last key too).
+                    let ahead = [0, 8][live % 2];
                     // SAFETY: AVX-512F detected above.
-                    unsafe { qk_dot_raw(&qk, rows, live, e, k, e, nk, &mut s, lds) };
+                    unsafe { qk_dot_raw(&qk, rows, live, e, k, (e, nk, ahead), &mut s, lds) };
                     for r in 0..rows {
                         for j in 0..nk {
                             let got = s[r * lds + j] as f64;

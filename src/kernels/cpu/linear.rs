@@ -112,6 +112,12 @@ fn linear_in_place_on(selected: Isa, x: &Tensor, w: &Tensor, b: Option<&Tensor>)
                 .step_by(per)
                 .map(|o0| (o0, per.min(out - o0), vec![0f32; padded * per.min(out - o0)]))
                 .collect();
+            // f16/bf16 weight rows are asked for ahead as decode asks for K/V rows;
+            // f32 rows are not (`prefetch::avx512_decode_ahead`).
+            let ahead = match wd {
+                Data::F32(_) => 0,
+                _ => super::prefetch::avx512_decode_ahead(2),
+            };
             par::vec_for_each(parts.iter_mut().collect(), |(o0, n, s)| {
                 let (o0, n) = (*o0, *n);
                 let mut j = 0;
@@ -124,7 +130,9 @@ fn linear_in_place_on(selected: Isa, x: &Tensor, w: &Tensor, b: Option<&Tensor>)
                     // bounds.
                     unsafe {
                         match isa {
-                            Isa::Avx512 => avx512::qk_dot_raw(&q, padded, rows, inp, k, inp, nk, sj, n),
+                            Isa::Avx512 => {
+                                avx512::qk_dot_raw(&q, padded, rows, inp, k, (inp, nk, ahead), sj, n)
+                            }
                             // `reads_in_place` admits only these two.
                             _ => avx2::qk_dot(&q, padded, rows, inp, k, inp, nk, sj, n),
                         }

@@ -50,12 +50,12 @@
 //!   score kernel, the AMX and AVX512-BF16 tiles) stand aside for it.
 //! * Nothing here has a backward pass: the dispatcher (`crate::sdpa`) and `crate::Proj`
 //!   send tensors that record gradients to candle's ops instead.
-//! * Decode on AVX-512 reads f16/bf16 K/V rows in place and widens them in registers,
-//!   and walks each K and V row to its end before the next, keys in order
+//! * Decode on AVX-512 reads K/V rows in place, f16/bf16 widened in registers, and
+//!   walks each K and V row to its end before the next, keys in order
 //!   (`avx512::qk_dot_impl`, `avx512::pv_rows`), which the hardware prefetchers follow
-//!   from DRAM. On Intel CPUs they also ask for f16/bf16 rows 16 keys ahead (software
-//!   prefetch, `prefetch::half_rows`); f32 rows, and other vendors' CPUs, take
-//!   none. On AVX2 the decode
+//!   from DRAM. On Intel CPUs they also ask for the rows 4 KiB ahead with heads of 128
+//!   (16 keys of f16/bf16, 8 of f32; software prefetch,
+//!   `prefetch::avx512_decode_ahead`); other vendors' CPUs take none. On AVX2 the decode
 //!   kernels do the same (f16 with F16C): scores only for the live rows
 //!   (`avx2::qk_dot`), and a `P·V` that walks each V row to its end, four keys at a
 //!   time (`avx2::pv_rows`), where the panel kernel reads 16 columns of every row per

@@ -1,10 +1,11 @@
 //! Software prefetch: the request itself (`prefetch_bytes`, also behind
 //! `View::prefetch_row`), and for the decode kernels, which stream K/V rows that are each
-//! read once, how far ahead they ask ([`PF_KEYS`]) and whether the AVX-512 kernels ask
-//! for half-precision rows on this CPU (`half_rows`, [`decode_prefetch_by_default`]).
+//! read once, how far ahead they ask ([`PF_KEYS`], [`avx512_decode_ahead`]) and whether
+//! the AVX-512 kernels ask at all on this CPU ([`decode_prefetch_by_default`]).
 
-/// How many keys ahead the decode kernels ask for K/V rows: all rows on AVX2, f16/bf16
-/// rows on AVX-512 where `half_rows` says so.
+/// How many keys ahead the decode kernels ask for K/V rows: all rows on AVX2, and on
+/// AVX-512 f16/bf16 rows where [`avx512_decode_ahead`] asks at all (f32 rows half as
+/// many).
 #[cfg(target_arch = "x86_64")]
 pub(crate) const PF_KEYS: usize = 16;
 
@@ -26,11 +27,11 @@ pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
     }
 }
 
-/// Whether the AVX-512 decode kernels ask for f16/bf16 K/V rows ahead when
+/// Whether the AVX-512 decode kernels ask for K/V rows ahead when
 /// `CANDLE_ATTENTION_DECODE_PREFETCH` does not say (`1` on, `0` off; read once per
-/// process, at the first half-precision decode): on Intel CPUs, where it made bf16 and
-/// f16 decode of long caches faster, and not on others (see the kernel notes). Does not
-/// read the variable.
+/// process, at the first decode on AVX-512): on Intel CPUs, where it made decode of
+/// long caches faster, and not on others (see the kernel notes). Does not read the
+/// variable.
 pub fn decode_prefetch_by_default() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -44,14 +45,14 @@ pub fn decode_prefetch_by_default() -> bool {
     }
 }
 
-/// Whether the AVX-512 decode kernels ask for half-precision K/V rows [`PF_KEYS`] keys
-/// ahead: `CANDLE_ATTENTION_DECODE_PREFETCH` if it is `1` or `0` (read once per
-/// process), else [`decode_prefetch_by_default`]. On an Intel Xeon VM (AVX-512, AMX) it
-/// made bf16 and f16 `decode_b4` about 1.6–2× faster; on an AMD Zen 4 VM it made no
-/// consistent difference and slowed bf16 `decode_b4` (kernel notes). f32 rows gained
-/// nothing on either, and take none.
+/// Whether the AVX-512 decode kernels ask for K/V rows ahead:
+/// `CANDLE_ATTENTION_DECODE_PREFETCH` if it is `1` or `0` (read once per process), else
+/// [`decode_prefetch_by_default`]. On an Intel Xeon VM (AVX-512, AMX) it made bf16 and f16
+/// `decode_b4` about 1.6–2× faster, and f32 decode with GQA or MQA over K/V out of cache
+/// 7–21% faster; on an AMD Zen 4 VM it made no consistent difference to half-precision
+/// decode and slowed bf16 `decode_b4` (kernel notes).
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn half_rows() -> bool {
+fn decode_rows() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(
         || match std::env::var("CANDLE_ATTENTION_DECODE_PREFETCH").as_deref() {
@@ -60,4 +61,19 @@ pub(crate) fn half_rows() -> bool {
             _ => decode_prefetch_by_default(),
         },
     )
+}
+
+/// How many keys ahead the AVX-512 decode kernels ask for K/V rows of `elem_bytes`-byte
+/// elements read in place: 0 (they do not ask) unless [`decode_rows`], else [`PF_KEYS`]
+/// for f16/bf16 rows and half as many for f32 rows, so that both ask the same number of
+/// bytes ahead (4 KiB with heads of 128). On the Intel VM, f32 rows asked 4, 8 or 16 keys
+/// ahead ran alike and 32 or 64 keys ahead slower (kernel notes). Projections that read
+/// f32 weights in place (`linear`) do not ask: there it made a decode step slower.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx512_decode_ahead(elem_bytes: usize) -> usize {
+    if decode_rows() {
+        PF_KEYS * 2 / elem_bytes.clamp(2, 4)
+    } else {
+        0
+    }
 }

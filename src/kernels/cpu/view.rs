@@ -12,6 +12,17 @@ pub(crate) enum Data<'a> {
     BF16(&'a [bf16]),
 }
 
+impl Data<'_> {
+    /// Bytes per element.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the AVX-512 decode only
+    pub fn elem_bytes(&self) -> usize {
+        match self {
+            Data::F32(_) => 4,
+            Data::F16(_) | Data::BF16(_) => 2,
+        }
+    }
+}
+
 /// A rank-4 strided view (strides in elements; broadcast dims may have stride 0).
 #[derive(Clone, Copy)]
 pub(crate) struct View<'a> {

@@ -208,17 +208,17 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             }
         }
     }
-    // Half-precision decode on AVX-512 reads K/V rows in place (`raw`); bf16 rows are
-    // widened 32 at a time, split into even and odd elements (`avx512::qk_dot_raw`,
-    // `avx512::pv_rows`), so Q takes that layout here and the output leaves it at the end
-    // (`e > 0`: the split walks Q in rows of `e`).
+    // Decode on AVX-512 reads K/V rows of unit inner stride in place (`raw`), f16/bf16
+    // widened in registers; bf16 rows are widened 32 at a time, split into even and odd
+    // elements (`avx512::qk_dot_raw`, `avx512::pv_rows`), so Q takes that layout here and
+    // the output leaves it at the end (`e > 0`: the split walks Q in rows of `e`).
     #[cfg(target_arch = "x86_64")]
     let raw = matches!(src, KvSrc::Rows)
         && isa == Isa::Avx512
         && e > 0
         && e.is_multiple_of(16)
         && ev.is_multiple_of(16)
-        && raw_rows_ok(p);
+        && unit_rows(p);
     // On AVX2, half-precision decode rows are read in place too (`avx2::qk_dot`,
     // `avx2::pv_rows`).
     #[cfg(target_arch = "x86_64")]
@@ -227,6 +227,14 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         && e.is_multiple_of(K_ALIGN)
         && ev.is_multiple_of(V_ALIGN)
         && raw_rows_ok(p);
+    // The raw AVX-512 kernels ask for the K/V rows they stream some keys ahead, on the
+    // CPUs where that pays (`prefetch::avx512_decode_ahead`).
+    #[cfg(target_arch = "x86_64")]
+    let ahead = if raw {
+        super::super::prefetch::avx512_decode_ahead(p.k.data.elem_bytes())
+    } else {
+        0
+    };
     // (q, k and v share one dtype: `sdpa_impl` checks it.)
     #[cfg(target_arch = "x86_64")]
     let split = raw && matches!(p.k.data, super::super::view::Data::BF16(_));
@@ -390,7 +398,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 let (vd, ldv) = rows_raw(&p.v, bb, kvh, j0, nk, ev);
                 if raw {
                     // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
-                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, ldk, nk, sb, BK) };
+                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, ahead), sb, BK) };
                 } else {
                     // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
                     unsafe { avx2::qk_dot(qb, rows, n, e, kd, ldk, nk, sb, BK) };
@@ -459,7 +467,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             #[cfg(target_arch = "x86_64")]
             if raw {
                 // SAFETY: `raw` is only set on the `Isa::Avx512` path.
-                unsafe { avx512::pv_rows(sb, n, nk, vd, ldv, nvp, o, evp, alpha) };
+                unsafe { avx512::pv_rows(sb, n, nk, vd, (ldv, nvp, ahead), o, evp, alpha) };
             } else {
                 // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path.
                 unsafe { avx2::pv_rows(sb, n, nk, vd, ldv, evp, o, evp, alpha) };
@@ -493,8 +501,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     n,
                     nk,
                     super::super::view::Data::F32(vsl),
-                    ldv,
-                    nvp,
+                    (ldv, nvp, 0),
                     o,
                     evp,
                     alpha,
@@ -607,13 +614,18 @@ pub(super) fn online_rows(
     }
 }
 
-/// Whether the decode path can read K and V rows in place: half precision (f32 rows are
-/// already borrowed in place by `rows_f32`) with unit inner strides.
+/// Whether the K and V rows have unit inner strides, so that the decode kernels can read
+/// them in place.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn unit_rows(p: &Problem) -> bool {
+    p.k.strides[3] == 1 && p.v.strides[3] == 1
+}
+
+/// Whether the AVX2 decode kernels read K and V rows in place: half precision (f32 rows
+/// are borrowed in place by `rows_f32` and take the same kernels) with unit inner strides.
 #[cfg(target_arch = "x86_64")]
 pub(super) fn raw_rows_ok(p: &Problem) -> bool {
-    use super::super::view::Data;
-    let unit = |v: &View| v.strides[3] == 1;
-    !matches!(p.k.data, Data::F32(_)) && unit(&p.k) && unit(&p.v)
+    !matches!(p.k.data, super::super::view::Data::F32(_)) && unit_rows(p)
 }
 
 /// Rows `j0 .. j0 + nk` of `(b, kvh)` in place, as `(elements from the first row, row
