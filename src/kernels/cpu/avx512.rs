@@ -91,6 +91,32 @@ const fn elem_bytes<const T: u8>() -> usize {
     }
 }
 
+/// What the row-reading score kernels ([`qk_dot_raw`]) ask for ahead of reading it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Ahead {
+    /// Nothing.
+    Off,
+    /// Each K row `n` rows ahead, whole, as a row is read (decode: the rows of one head,
+    /// at any row stride, mostly of 64–256 elements).
+    Keys(usize),
+    /// Each 64-byte line `n` bytes past the one being read (`linear`: weight rows of
+    /// thousands of elements stored one after the other, read as one stream).
+    Bytes(usize),
+}
+
+impl Ahead {
+    /// How far past the start of the row being read (rows `ldk` elements of `size` bytes
+    /// apart) [`Ahead::Keys`] and [`Ahead::Bytes`] ask, in bytes (0 for [`Ahead::Off`]).
+    #[inline]
+    fn row_offset(self, ldk: usize, size: usize) -> usize {
+        match self {
+            Ahead::Off => 0,
+            Ahead::Keys(n) => n * ldk * size,
+            Ahead::Bytes(n) => n,
+        }
+    }
+}
+
 /// 16 elements of kind `T` at element index `idx` of `p`, as f32.
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -1139,7 +1165,7 @@ pub(super) unsafe fn qk_dot(
             rows,
             live.min(rows),
             e,
-            (k.as_ptr() as *const u8, ldk, nk, 0),
+            (k.as_ptr() as *const u8, ldk, nk, Ahead::Off),
             s.as_mut_ptr(),
             lds,
         )
@@ -1148,7 +1174,8 @@ pub(super) unsafe fn qk_dot(
 
 /// [`qk_dot`] with K rows read straight from the source (f32, bf16 or f16), widened in
 /// registers (decode path). Half-precision keys need `e % 16 == 0`. With bf16 keys, the
-/// Q rows must be in the split layout of [`split_pairs`].
+/// Q rows must be in the split layout of [`split_pairs`]. `ahead` says what to ask for
+/// ahead of reading it (a hint: results do not depend on it).
 ///
 /// # Safety
 /// AVX-512F must be available.
@@ -1159,7 +1186,7 @@ pub(super) unsafe fn qk_dot_raw(
     live: usize,
     e: usize,
     k: Data,
-    (ldk, nk, ahead): (usize, usize, usize),
+    (ldk, nk, ahead): (usize, usize, Ahead),
     s: &mut [f32],
     lds: usize,
 ) {
@@ -1227,7 +1254,7 @@ unsafe fn qk_dot_impl<const T: u8>(
     rows: usize,
     live: usize,
     e: usize,
-    (k, ldk, nk, ahead): (*const u8, usize, usize, usize),
+    (k, ldk, nk, ahead): (*const u8, usize, usize, Ahead),
     s: *mut f32,
     lds: usize,
 ) {
@@ -1280,9 +1307,9 @@ unsafe fn qk_dot_impl<const T: u8>(
     }
 }
 
-/// `(Q strip rows, K base, K row stride, key count, score rows, score row stride, keys
-/// ahead to ask for)`.
-type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize, usize);
+/// `(Q strip rows, K base, K row stride, key count, score rows, score row stride, what
+/// to ask for ahead)`.
+type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize, Ahead);
 
 /// [`qk_dot_impl`] for `R` rows of `e = 16·EQ` elements, the first `QR` of them held in
 /// registers (`QR·EQ ≤ 16` vectors) and the others read from L1 by their FMAs: per key,
@@ -1315,13 +1342,15 @@ unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const 
     // sums from the previous 16 keys, which the masked store drops).
     let mut part = [[_mm512_setzero_ps(); 16]; R];
     let size = elem_bytes::<T>();
+    // Rows of at most 256 elements: the row ahead is asked for whole in either mode.
+    let skip = ahead.row_offset(ldk, size);
     let mut j = 0;
     while j < nk {
         let cnt = (nk - j).min(16);
         for c in 0..cnt {
             let kr = (j + c) * ldk;
-            if ahead > 0 {
-                prefetch_bytes(k.wrapping_add((kr + ahead * ldk) * size), EQ * 16 * size);
+            if skip > 0 {
+                prefetch_bytes(k.wrapping_add(kr * size + skip), EQ * 16 * size);
             }
             let mut acc = [_mm512_setzero_ps(); R];
             let mut i = 0;
@@ -1358,7 +1387,7 @@ unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const 
 unsafe fn qk_rows_strip<const T: u8, const R: usize>(
     qs: *const f32,
     e: usize,
-    (k, ldk, nk, ahead): (*const u8, usize, usize, usize),
+    (k, ldk, nk, ahead): (*const u8, usize, usize, Ahead),
     s: *mut f32,
     lds: usize,
 ) {
@@ -1368,18 +1397,29 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
     // sums from the previous 16 keys, which the masked store drops).
     let mut part = [[_mm512_setzero_ps(); 16]; R];
     let size = elem_bytes::<T>();
+    // `Keys`: the whole row ahead, once per row; `Bytes`: one line per 64 bytes read,
+    // spread over the row (a whole long row at once took more time than none; kernel
+    // notes).
+    let (row, line) = match ahead {
+        Ahead::Keys(_) => (ahead.row_offset(ldk, size), 0),
+        Ahead::Bytes(n) => (0, n),
+        Ahead::Off => (0, 0),
+    };
     let mut j = 0;
     while j < nk {
         let cnt = (nk - j).min(16);
         for c in 0..cnt {
             let kr = (j + c) * ldk;
-            if ahead > 0 {
-                prefetch_bytes(k.wrapping_add((kr + ahead * ldk) * size), e * size);
+            if row > 0 {
+                prefetch_bytes(k.wrapping_add(kr * size + row), e * size);
             }
             let mut acc = [_mm512_setzero_ps(); R];
             let mut x = 0;
             if T == BF16 {
                 while x + 32 <= e {
+                    if line > 0 {
+                        prefetch_bytes(k.wrapping_add((kr + x) * size + line), 64);
+                    }
                     let (k0, k1) = load32_bf16_split((k as *const u16).add(kr + x));
                     for (r, a) in acc.iter_mut().enumerate() {
                         let qr = qs.add(r * e + x);
@@ -1393,6 +1433,9 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
                 }
             }
             while x < full {
+                if line > 0 && (x * size).is_multiple_of(64) {
+                    prefetch_bytes(k.wrapping_add((kr + x) * size + line), 64);
+                }
                 let kv = load16::<T>(k, kr + x);
                 for (r, a) in acc.iter_mut().enumerate() {
                     *a = _mm512_fmadd_ps(_mm512_loadu_ps(qs.add(r * e + x)), kv, *a);
@@ -2199,8 +2242,9 @@ mod tests {
                         1 => Data::BF16(&kb),
                         _ => Data::F16(&kh),
                     };
-                    // With and without asking for rows ahead (past the last key too).
-                    let ahead = [0, 8][live % 2];
+                    // Asking for nothing ahead, for rows ahead, and for lines ahead (past
+                    // the last key too).
+                    let ahead = [Ahead::Off, Ahead::Keys(8), Ahead::Bytes(256)][live % 3];
                     // SAFETY: AVX-512F detected above.
                     unsafe { qk_dot_raw(&qk, rows, live, e, k, (e, nk, ahead), &mut s, lds) };
                     for r in 0..rows {

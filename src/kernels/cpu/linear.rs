@@ -112,11 +112,11 @@ fn linear_in_place_on(selected: Isa, x: &Tensor, w: &Tensor, b: Option<&Tensor>)
                 .step_by(per)
                 .map(|o0| (o0, per.min(out - o0), vec![0f32; padded * per.min(out - o0)]))
                 .collect();
-            // f16/bf16 weight rows are asked for ahead as decode asks for K/V rows;
-            // f32 rows are not (`prefetch::avx512_decode_ahead`).
-            let ahead = match wd {
-                Data::F32(_) => 0,
-                _ => super::prefetch::avx512_decode_ahead(2),
+            // The weight is one stream of rows: ask for its lines some way ahead, on
+            // the CPUs where that pays (`prefetch::avx512_linear_ahead`).
+            let ahead = match super::prefetch::avx512_linear_ahead() {
+                0 => avx512::Ahead::Off,
+                n => avx512::Ahead::Bytes(n),
             };
             par::vec_for_each(parts.iter_mut().collect(), |(o0, n, s)| {
                 let (o0, n) = (*o0, *n);

@@ -1,7 +1,8 @@
 //! Software prefetch: the request itself (`prefetch_bytes`, also behind
 //! `View::prefetch_row`), and for the decode kernels, which stream K/V rows that are each
-//! read once, how far ahead they ask ([`PF_KEYS`], [`avx512_decode_ahead`]) and whether
-//! the AVX-512 kernels ask at all on this CPU ([`decode_prefetch_by_default`]).
+//! read once, and the decode-step projections, which stream a weight read in place, how
+//! far ahead they ask ([`PF_KEYS`], [`avx512_decode_ahead`], [`avx512_linear_ahead`]) and
+//! whether the AVX-512 kernels ask at all on this CPU ([`decode_prefetch_by_default`]).
 
 /// How many keys ahead the decode kernels ask for K/V rows: all rows on AVX2, and on
 /// AVX-512 f16/bf16 rows where [`avx512_decode_ahead`] asks at all (f32 rows half as
@@ -27,11 +28,11 @@ pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
     }
 }
 
-/// Whether the AVX-512 decode kernels ask for K/V rows ahead when
-/// `CANDLE_ATTENTION_DECODE_PREFETCH` does not say (`1` on, `0` off; read once per
-/// process, at the first decode on AVX-512): on Intel CPUs, where it made decode of
-/// long caches faster, and not on others (see the kernel notes). Does not read the
-/// variable.
+/// Whether the AVX-512 decode kernels ask for K/V rows ahead (and the decode-step
+/// projections for weight lines) when `CANDLE_ATTENTION_DECODE_PREFETCH` does not say
+/// (`1` on, `0` off; read once per process, at the first use): on Intel CPUs, where it
+/// made decode of long caches and decode-step projections faster, and not on others
+/// (see the kernel notes). Does not read the variable.
 pub fn decode_prefetch_by_default() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -45,12 +46,13 @@ pub fn decode_prefetch_by_default() -> bool {
     }
 }
 
-/// Whether the AVX-512 decode kernels ask for K/V rows ahead:
-/// `CANDLE_ATTENTION_DECODE_PREFETCH` if it is `1` or `0` (read once per process), else
-/// [`decode_prefetch_by_default`]. On an Intel Xeon VM (AVX-512, AMX) it made bf16 and f16
-/// `decode_b4` about 1.6–2× faster, and f32 decode with GQA or MQA over K/V out of cache
-/// 7–21% faster; on an AMD Zen 4 VM it made no consistent difference to half-precision
-/// decode and slowed bf16 `decode_b4` (kernel notes).
+/// Whether the AVX-512 decode kernels ask for K/V rows ahead, and the decode-step
+/// projections for weight lines: `CANDLE_ATTENTION_DECODE_PREFETCH` if it is `1` or `0`
+/// (read once per process), else [`decode_prefetch_by_default`]. On an Intel Xeon VM
+/// (AVX-512, AMX) it made bf16 and f16 `decode_b4` about 1.6–2× faster, and f32 decode
+/// with GQA or MQA over K/V out of cache 7–21% faster; on an AMD Zen 4 VM it made no
+/// consistent difference to half-precision decode and slowed bf16 `decode_b4` (kernel
+/// notes).
 #[cfg(target_arch = "x86_64")]
 fn decode_rows() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -63,12 +65,28 @@ fn decode_rows() -> bool {
     )
 }
 
+/// How many bytes ahead `linear_in_place` asks for weight lines on AVX-512, one 64-byte
+/// line per line read: 0 (it does not ask) unless [`decode_rows`], else 4 KiB. On the
+/// Intel VM, a decode step's product with an f32 weight of 4096 × 4096 or 14336 × 4096
+/// took 7–24% less time with it, and with a bf16 or f16 weight 24–41% less than with
+/// whole rows asked for 16 rows ahead; 2 KiB ran about as fast and 8 KiB slower (kernel
+/// notes).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx512_linear_ahead() -> usize {
+    if decode_rows() {
+        4096
+    } else {
+        0
+    }
+}
+
 /// How many keys ahead the AVX-512 decode kernels ask for K/V rows of `elem_bytes`-byte
 /// elements read in place: 0 (they do not ask) unless [`decode_rows`], else [`PF_KEYS`]
 /// for f16/bf16 rows and half as many for f32 rows, so that both ask the same number of
 /// bytes ahead (4 KiB with heads of 128). On the Intel VM, f32 rows asked 4, 8 or 16 keys
 /// ahead ran alike and 32 or 64 keys ahead slower (kernel notes). Projections that read
-/// f32 weights in place (`linear`) do not ask: there it made a decode step slower.
+/// weights in place (`linear`) ask differently ([`avx512_linear_ahead`]): whole weight
+/// rows asked for this many rows ahead made them slower.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx512_decode_ahead(elem_bytes: usize) -> usize {
     if decode_rows() {

@@ -397,8 +397,12 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 let (kd, ldk) = rows_raw(&p.k, bb, kvh, j0, nk, e);
                 let (vd, ldv) = rows_raw(&p.v, bb, kvh, j0, nk, ev);
                 if raw {
+                    let keys = match ahead {
+                        0 => avx512::Ahead::Off,
+                        d => avx512::Ahead::Keys(d),
+                    };
                     // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
-                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, ahead), sb, BK) };
+                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, keys), sb, BK) };
                 } else {
                     // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
                     unsafe { avx2::qk_dot(qb, rows, n, e, kd, ldk, nk, sb, BK) };
