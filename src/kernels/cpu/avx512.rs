@@ -300,6 +300,14 @@ pub(crate) unsafe fn gemm(
 ) {
     let npanels = super::tiles::assert_gemm_operands(x, ldx, rows, (k0, k1, e), wp, out, ldy, b);
     let (strips, tail) = (rows / GEMM_ROWS, rows % GEMM_ROWS);
+    // A decode step's 2 or more rows (no whole strip) read each panel once, from memory:
+    // ask for the panels' lines ahead (`prefetch::avx512_gemm_ahead`). One row ran as
+    // fast without.
+    let ahead = if strips == 0 && rows >= 2 {
+        super::prefetch::avx512_gemm_ahead()
+    } else {
+        0
+    };
     let bias = b.map_or(std::ptr::null(), |b| b.as_ptr());
     let kc = k1 - k0;
     let mask = |p: usize| -> __mmask16 {
@@ -322,7 +330,7 @@ pub(crate) unsafe fn gemm(
             for st in 0..strips {
                 let xk = x.as_ptr().add(st * GEMM_ROWS * ldx + k0);
                 let yp = y.add(st * GEMM_ROWS * ldy + p * NR);
-                let t = (xk, ldx, kc, wpp, e * NR, yp, ldy, bp, accumulate);
+                let t = (xk, ldx, kc, wpp, e * NR, yp, ldy, bp, accumulate, 0);
                 match two {
                     true => gemm_tile::<GEMM_ROWS, 2>(t, m2),
                     false => gemm_tile::<GEMM_ROWS, 1>(t, m1),
@@ -332,7 +340,7 @@ pub(crate) unsafe fn gemm(
                 // The last `tail` rows: a shorter tile, in the same pass over the panels.
                 let xk = x.as_ptr().add(strips * GEMM_ROWS * ldx + k0);
                 let yp = y.add(strips * GEMM_ROWS * ldy + p * NR);
-                let t = (xk, ldx, kc, wpp, e * NR, yp, ldy, bp, accumulate);
+                let t = (xk, ldx, kc, wpp, e * NR, yp, ldy, bp, accumulate, ahead);
                 macro_rules! short {
                     ($($r:literal)*) => {
                         match (tail, two) {
@@ -351,7 +359,8 @@ pub(crate) unsafe fn gemm(
     }
 }
 
-/// `(x, ldx, kc, W panels, panel stride, y, ldy, bias, accumulate)` of a [`gemm_tile`].
+/// `(x, ldx, kc, W panels, panel stride, y, ldy, bias, accumulate, contraction steps
+/// ahead to ask for the panels' lines, 0 for none)` of a [`gemm_tile`].
 type GemmArgs = (
     *const f32,
     usize,
@@ -362,6 +371,7 @@ type GemmArgs = (
     usize,
     *const f32,
     bool,
+    usize,
 );
 
 /// An `R × (P·NR)` tile of [`gemm`]: rows of `x` broadcast from their row-major place,
@@ -370,7 +380,7 @@ type GemmArgs = (
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn gemm_tile<const R: usize, const P: usize>(
-    (x, ldx, kc, wpp, panel_len, y, ldy, bias, acc_y): GemmArgs,
+    (x, ldx, kc, wpp, panel_len, y, ldy, bias, acc_y, ahead): GemmArgs,
     masks: [__mmask16; P],
 ) {
     let mut acc = [[_mm512_setzero_ps(); P]; R];
@@ -396,6 +406,11 @@ unsafe fn gemm_tile<const R: usize, const P: usize>(
         for k in 0..kc {
             let mut wv = [_mm512_setzero_ps(); P];
             for (pi, v) in wv.iter_mut().enumerate() {
+                if ahead > 0 {
+                    // One 64-byte panel row per step: the line `ahead` steps on.
+                    let next = wpp.wrapping_add(pi * panel_len + (k + ahead) * NR);
+                    prefetch_bytes(next as *const u8, 64);
+                }
                 *v = _mm512_loadu_ps(wpp.add(pi * panel_len + k * NR));
             }
             for (r, row) in acc.iter_mut().enumerate() {
