@@ -1478,9 +1478,11 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 /// before the next, keys in order (see [`qk_dot_impl`] for why): P `live × nk` with row
 /// stride [`BK`]; V row `j` at element `j·ldv` of `v` (f32, or half precision read in
 /// place and widened in registers); `nvp` 16-column output panels; `o` with row stride
-/// `ldo`. Tiles of `R` rows × `N` panels (`R·N ≤ 24` accumulators) each run over all
-/// keys; where one tile spans every panel (`nvp` of 1, 2, 4, 8 or 16), the first tile
-/// reads the block's V rows in memory order and the later tiles find them in cache.
+/// `ldo`; each tile asks for its columns of the V row `ahead` keys on (0: nothing; a
+/// hint, results do not depend on it). Tiles of `R` rows × `N` panels (`R·N ≤ 24`
+/// accumulators) each run over all keys; where one tile spans every panel (`nvp` of 1,
+/// 2, 4, 8 or 16), the first tile reads the block's V rows in memory order and the later
+/// tiles find them in cache.
 /// Chunks of panels are capped so that tiles hold more rows: at 8 panels for 2 live
 /// rows and at 4 for 3 or more, except for f32 rows with `nvp ≤ 8`, whose chunks stay
 /// whole (from DRAM, f32 rows read in 4-panel chunks ran up to 16% slower on the Intel

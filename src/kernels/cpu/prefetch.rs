@@ -51,7 +51,7 @@ pub fn decode_prefetch_by_default() -> bool {
 /// projections for weight lines: `CANDLE_ATTENTION_DECODE_PREFETCH` if it is `1` or `0`
 /// (read once per process), else [`decode_prefetch_by_default`]. On an Intel Xeon VM
 /// (AVX-512, AMX) it made bf16 and f16 `decode_b4` about 1.6–2× faster, and f32 decode
-/// with GQA or MQA over K/V out of cache 7–21% faster; on an AMD Zen 4 VM it made no
+/// with GQA or MQA over K/V out of cache 10–21% faster; on an AMD Zen 4 VM it made no
 /// consistent difference to half-precision decode and slowed bf16 `decode_b4` (kernel
 /// notes).
 #[cfg(target_arch = "x86_64")]
@@ -68,10 +68,10 @@ fn decode_rows() -> bool {
 
 /// How many bytes ahead `linear_in_place` asks for weight lines on AVX-512, one 64-byte
 /// line per line read: 0 (it does not ask) unless [`decode_rows`], else 4 KiB. On the
-/// Intel VM, a decode step's product with an f32 weight of 4096 × 4096 or 14336 × 4096
-/// took 7–24% less time with it, and with a bf16 or f16 weight 24–41% less than with
-/// whole rows asked for 16 rows ahead; 2 KiB ran about as fast and 8 KiB slower (kernel
-/// notes).
+/// Intel VM, a decode step's product of 1–3 rows with an f32 weight took 6–19% less
+/// time with it than with nothing asked, and with a bf16 or f16 weight 12–41% less than
+/// with whole rows asked for 16 rows ahead; 2 KiB ran about as fast and 8 KiB slower
+/// (kernel notes).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx512_linear_ahead() -> usize {
     if decode_rows() {
@@ -85,8 +85,8 @@ pub(crate) fn avx512_linear_ahead() -> usize {
 /// decode step's 2–13 rows against a packed weight asks for each panel's lines: 0 (it
 /// does not ask) unless [`decode_rows`], else 32 (2 KiB per panel, 4 KiB for the two
 /// panels a tile reads). On the Intel VM, 2–13 rows against a packed 14336 × 4096 weight
-/// took 8–22% less time; weights that stay in the L3, and a single row, ran as fast
-/// (kernel notes).
+/// took 7–21% less time; weights that stay in the L3, and a single row, ran about as
+/// fast (kernel notes).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx512_gemm_ahead() -> usize {
     if decode_rows() {
