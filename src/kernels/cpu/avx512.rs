@@ -308,6 +308,13 @@ pub(crate) unsafe fn gemm(
     } else {
         0
     };
+    // Whole strips ask for the panels' lines `GEMM_LOOP_AHEAD` steps ahead on the CPUs
+    // where that pays (`prefetch::avx512_gemm_strips`).
+    let strip_ahead = if super::prefetch::avx512_gemm_strips() {
+        GEMM_LOOP_AHEAD
+    } else {
+        0
+    };
     let bias = b.map_or(std::ptr::null(), |b| b.as_ptr());
     let kc = k1 - k0;
     let mask = |p: usize| -> __mmask16 {
@@ -330,7 +337,7 @@ pub(crate) unsafe fn gemm(
             for st in 0..strips {
                 let xk = x.as_ptr().add(st * GEMM_ROWS * ldx + k0);
                 let yp = y.add(st * GEMM_ROWS * ldy + p * NR);
-                let t = (xk, ldx, kc, wpp, e * NR, yp, ldy, bp, accumulate, 0);
+                let t = (xk, ldx, kc, wpp, e * NR, yp, ldy, bp, accumulate, strip_ahead);
                 match two {
                     true => gemm_tile::<GEMM_ROWS, 2>(t, m2),
                     false => gemm_tile::<GEMM_ROWS, 1>(t, m1),
@@ -398,7 +405,12 @@ unsafe fn gemm_tile<const R: usize, const P: usize>(
         for (d, s) in a2.iter_mut().zip(acc.iter()) {
             d.copy_from_slice(&s[..2]);
         }
-        gemm_loop_2p(&mut a2, x, ldx, kc, wpp, panel_len);
+        if ahead > 0 {
+            debug_assert_eq!(ahead, GEMM_LOOP_AHEAD, "the assembly's distance is fixed");
+            gemm_loop_2p_ahead(&mut a2, x, ldx, kc, wpp, panel_len);
+        } else {
+            gemm_loop_2p(&mut a2, x, ldx, kc, wpp, panel_len);
+        }
         for (d, s) in acc.iter_mut().zip(a2.iter()) {
             d.copy_from_slice(&s[..P]);
         }
@@ -692,8 +704,21 @@ tile_loop_6x4!(
 );
 
 /// One contraction step of [`gemm_loop_2p`] as assembly text: the W pair at byte
-/// offset `$dw` from `{w}`, the row elements at byte offset `$dx` from their row.
+/// offset `$dw` from `{w}`, the row elements at byte offset `$dx` from their row. With
+/// `ahead`, the step first asks for the W pair's lines [`GEMM_LOOP_AHEAD`] steps on
+/// (1 KiB further into each panel; the displacement below must stay `64 ×` it).
 macro_rules! gemm_step {
+    ($dx:literal, $dw:literal, ahead) => {
+        concat!(
+            "prefetcht0 [{w} + ",
+            $dw,
+            " + 1024]\n",
+            "prefetcht0 [{w} + {pl} + ",
+            $dw,
+            " + 1024]\n",
+            gemm_step!($dx, $dw)
+        )
+    };
     ($dx:literal, $dw:literal) => {
         concat!(
             "vmovups zmm28, zmmword ptr [{w} + ",
@@ -776,102 +801,129 @@ macro_rules! gemm_step {
     };
 }
 
-/// The contraction loop of a `GEMM_ROWS`×32 [`gemm_tile`] in assembly: per step two W
-/// loads, `GEMM_ROWS` broadcasts and `2·GEMM_ROWS` FMAs. Rows are addressed as
-/// `group + j·ldx` (one group pointer per four rows, `j < 4`), so the loop carries no
-/// per-row integer work competing with the FMAs for execution ports (the compiled
-/// intrinsics recomputed row addresses each step); unrolled by four steps, which shares
-/// the pointer updates (3% faster on a 1024×768×768 product).
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn gemm_loop_2p(
-    acc: &mut [[__m512; 2]; GEMM_ROWS],
-    x: *const f32,
-    ldx: usize,
-    kc: usize,
-    w: *const f32,
-    panel_len: usize,
-) {
-    if kc == 0 {
-        return;
-    }
-    // SAFETY: the caller guarantees `GEMM_ROWS` rows of `kc` elements at stride `ldx`
-    // from `x`, and two panels of `kc` steps of 16 floats at `w` and `w + panel_len`.
-    unsafe {
-        std::arch::asm!(
-            // Four steps per iteration (the pointer updates are shared), then the rest.
-            "test {q}, {q}",
-            "jz 3f",
-            "2:",
-            gemm_step!("0", "0"),
-            gemm_step!("4", "64"),
-            gemm_step!("8", "128"),
-            gemm_step!("12", "192"),
-            "add {g0}, 16",
-            "add {g1}, 16",
-            "add {g2}, 16",
-            "add {g3}, 16",
-            "add {w}, 256",
-            "dec {q}",
-            "jnz 2b",
-            "3:",
-            "test {r}, {r}",
-            "jz 5f",
-            "4:",
-            gemm_step!("0", "0"),
-            "add {g0}, 4",
-            "add {g1}, 4",
-            "add {g2}, 4",
-            "add {g3}, 4",
-            "add {w}, 64",
-            "dec {r}",
-            "jnz 4b",
-            "5:",
-            inout("zmm0") acc[0][0],
-            inout("zmm1") acc[0][1],
-            inout("zmm2") acc[1][0],
-            inout("zmm3") acc[1][1],
-            inout("zmm4") acc[2][0],
-            inout("zmm5") acc[2][1],
-            inout("zmm6") acc[3][0],
-            inout("zmm7") acc[3][1],
-            inout("zmm8") acc[4][0],
-            inout("zmm9") acc[4][1],
-            inout("zmm10") acc[5][0],
-            inout("zmm11") acc[5][1],
-            inout("zmm12") acc[6][0],
-            inout("zmm13") acc[6][1],
-            inout("zmm14") acc[7][0],
-            inout("zmm15") acc[7][1],
-            inout("zmm16") acc[8][0],
-            inout("zmm17") acc[8][1],
-            inout("zmm18") acc[9][0],
-            inout("zmm19") acc[9][1],
-            inout("zmm20") acc[10][0],
-            inout("zmm21") acc[10][1],
-            inout("zmm22") acc[11][0],
-            inout("zmm23") acc[11][1],
-            inout("zmm24") acc[12][0],
-            inout("zmm25") acc[12][1],
-            inout("zmm26") acc[13][0],
-            inout("zmm27") acc[13][1],
-            out("zmm28") _,
-            out("zmm29") _,
-            out("zmm30") _,
-            g0 = inout(reg) x => _,
-            g1 = inout(reg) x.add(4 * ldx) => _,
-            g2 = inout(reg) x.add(8 * ldx) => _,
-            g3 = inout(reg) x.add(12 * ldx) => _,
-            w = inout(reg) w => _,
-            q = inout(reg) kc / 4 => _,
-            r = inout(reg) kc % 4 => _,
-            l = in(reg) ldx * 4,
-            l3 = in(reg) ldx * 12,
-            pl = in(reg) panel_len * 4,
-            options(nostack, readonly),
-        );
-    }
+macro_rules! gemm_loop {
+    ($(#[$doc:meta])* $name:ident $(, $ahead:ident)?) => {
+        $(#[$doc])*
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn $name(
+            acc: &mut [[__m512; 2]; GEMM_ROWS],
+            x: *const f32,
+            ldx: usize,
+            kc: usize,
+            w: *const f32,
+            panel_len: usize,
+        ) {
+            if kc == 0 {
+                return;
+            }
+            // SAFETY: the caller guarantees `GEMM_ROWS` rows of `kc` elements at stride `ldx`
+            // from `x`, and two panels of `kc` steps of 16 floats at `w` and `w + panel_len`.
+            unsafe {
+                std::arch::asm!(
+                    // Four steps per iteration (the pointer updates are shared), then the rest.
+                    "test {q}, {q}",
+                    "jz 3f",
+                    "2:",
+                    gemm_step!("0", "0" $(, $ahead)?),
+                    gemm_step!("4", "64" $(, $ahead)?),
+                    gemm_step!("8", "128" $(, $ahead)?),
+                    gemm_step!("12", "192" $(, $ahead)?),
+                    "add {g0}, 16",
+                    "add {g1}, 16",
+                    "add {g2}, 16",
+                    "add {g3}, 16",
+                    "add {w}, 256",
+                    "dec {q}",
+                    "jnz 2b",
+                    "3:",
+                    "test {r}, {r}",
+                    "jz 5f",
+                    "4:",
+                    gemm_step!("0", "0" $(, $ahead)?),
+                    "add {g0}, 4",
+                    "add {g1}, 4",
+                    "add {g2}, 4",
+                    "add {g3}, 4",
+                    "add {w}, 64",
+                    "dec {r}",
+                    "jnz 4b",
+                    "5:",
+                    inout("zmm0") acc[0][0],
+                    inout("zmm1") acc[0][1],
+                    inout("zmm2") acc[1][0],
+                    inout("zmm3") acc[1][1],
+                    inout("zmm4") acc[2][0],
+                    inout("zmm5") acc[2][1],
+                    inout("zmm6") acc[3][0],
+                    inout("zmm7") acc[3][1],
+                    inout("zmm8") acc[4][0],
+                    inout("zmm9") acc[4][1],
+                    inout("zmm10") acc[5][0],
+                    inout("zmm11") acc[5][1],
+                    inout("zmm12") acc[6][0],
+                    inout("zmm13") acc[6][1],
+                    inout("zmm14") acc[7][0],
+                    inout("zmm15") acc[7][1],
+                    inout("zmm16") acc[8][0],
+                    inout("zmm17") acc[8][1],
+                    inout("zmm18") acc[9][0],
+                    inout("zmm19") acc[9][1],
+                    inout("zmm20") acc[10][0],
+                    inout("zmm21") acc[10][1],
+                    inout("zmm22") acc[11][0],
+                    inout("zmm23") acc[11][1],
+                    inout("zmm24") acc[12][0],
+                    inout("zmm25") acc[12][1],
+                    inout("zmm26") acc[13][0],
+                    inout("zmm27") acc[13][1],
+                    out("zmm28") _,
+                    out("zmm29") _,
+                    out("zmm30") _,
+                    g0 = inout(reg) x => _,
+                    g1 = inout(reg) x.add(4 * ldx) => _,
+                    g2 = inout(reg) x.add(8 * ldx) => _,
+                    g3 = inout(reg) x.add(12 * ldx) => _,
+                    w = inout(reg) w => _,
+                    q = inout(reg) kc / 4 => _,
+                    r = inout(reg) kc % 4 => _,
+                    l = in(reg) ldx * 4,
+                    l3 = in(reg) ldx * 12,
+                    pl = in(reg) panel_len * 4,
+                    options(nostack, readonly),
+                );
+            }
+        }
+    };
 }
+
+gemm_loop!(
+    /// The contraction loop of a `GEMM_ROWS`×32 [`gemm_tile`] in assembly: per step two W
+    /// loads, `GEMM_ROWS` broadcasts and `2·GEMM_ROWS` FMAs. Rows are addressed as
+    /// `group + j·ldx` (one group pointer per four rows, `j < 4`), so the loop carries no
+    /// per-row integer work competing with the FMAs for execution ports (the compiled
+    /// intrinsics recomputed row addresses each step); unrolled by four steps, which shares
+    /// the pointer updates (3% faster on a 1024×768×768 product).
+    gemm_loop_2p
+);
+
+gemm_loop!(
+    /// [`gemm_loop_2p`] that also asks for the W panels' lines [`GEMM_LOOP_AHEAD`] steps
+    /// ahead of the step that reads them (`prefetcht0`, two per step; the products and
+    /// their order are those of [`gemm_loop_2p`]). See [`super::prefetch::avx512_gemm_strips`].
+    gemm_loop_2p_ahead,
+    ahead
+);
+
+/// How many contraction steps ahead [`gemm_loop_2p_ahead`] asks for the W panels' lines
+/// (its assembly writes the byte distance, `64 ×` this). On the Intel VM every distance
+/// from 4 to 64 steps took less time than none, by amounts within one another's noise
+/// (kernel notes).
+pub(crate) const GEMM_LOOP_AHEAD: usize = 16;
+const _: () = assert!(
+    GEMM_LOOP_AHEAD * 64 == 1024,
+    "`gemm_step!` writes the distance as 1024 bytes"
+);
 
 /// See [`super::portable::pv`] (P row-major with row stride [`BK`]); `rows` must be a
 /// multiple of [`MR`]. When `rows == MR` and only the first `live` rows are real (decode),
@@ -2224,6 +2276,89 @@ mod tests {
     /// register strips (64, 128, 256) and one without (80), for f32, bf16 and f16 K rows
     /// (read in place; bf16 with Q in the split layout), over 70 keys (a tail of 6 after
     /// 64). Padding rows must get zero scores.
+    /// A whole strip of the projection product (`gemm_tile::<GEMM_ROWS, 2>`, the assembly
+    /// loop) gives the same bits with the W panels asked for ahead as without, and
+    /// matches an f64 product: contractions around the unrolling by four (0–9), odd
+    /// lengths and a full 768-step chunk, from the bias, from zero and accumulating
+    /// into `y`, with the second panel's last outputs masked off.
+    #[test]
+    fn gemm_strip_matches_f64_with_and_without_asking_ahead() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("note: no AVX-512F on this machine; gemm strips not exercised");
+            return;
+        }
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        for kc in [0usize, 1, 2, 3, 4, 5, 7, 8, 9, 33, 768] {
+            let ldx = kc + 3;
+            let x: Vec<f32> = (0..GEMM_ROWS * ldx).map(|i| val(i, 1)).collect();
+            let panel_len = kc * NR;
+            // Two panels `[kc][16]` (the loop asks for lines past their end too: a
+            // prefetch reads nothing and cannot fault).
+            let w: Vec<f32> = (0..2 * panel_len).map(|i| val(i, 5)).collect();
+            let bias: Vec<f32> = (0..2 * NR).map(|i| val(i, 7)).collect();
+            let ldy = 2 * NR + 5;
+            let y0: Vec<f32> = (0..GEMM_ROWS * ldy).map(|i| val(i, 9)).collect();
+            let masks = [0xffff, 0x7fff];
+            for (start, acc_y) in [(0, false), (1, false), (2, true)] {
+                let bp = if start == 1 {
+                    bias.as_ptr()
+                } else {
+                    std::ptr::null()
+                };
+                let run = |ahead: usize| {
+                    let mut y = y0.clone();
+                    let t = (
+                        x.as_ptr(),
+                        ldx,
+                        kc,
+                        w.as_ptr(),
+                        panel_len,
+                        y.as_mut_ptr(),
+                        ldy,
+                        bp,
+                        acc_y,
+                        ahead,
+                    );
+                    // SAFETY: AVX-512F detected above; `x` holds GEMM_ROWS rows of `kc`
+                    // at stride `ldx`, `w` two panels of `kc` steps, `y` GEMM_ROWS rows
+                    // of stride `ldy ≥ 32`.
+                    unsafe { gemm_tile::<GEMM_ROWS, 2>(t, masks) };
+                    y
+                };
+                let (plain, ahead) = (run(0), run(GEMM_LOOP_AHEAD));
+                assert!(
+                    plain.iter().zip(&ahead).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "kc {kc}, start {start}: asking ahead changed the result"
+                );
+                for r in 0..GEMM_ROWS {
+                    for c in 0..ldy {
+                        let (p, j) = (c / NR, c % NR);
+                        let stored = c < 2 * NR && (masks[p.min(1)] >> j) & 1 == 1;
+                        let terms: Vec<f64> = if stored {
+                            (0..kc)
+                                .map(|k| x[r * ldx + k] as f64 * w[p * panel_len + k * NR + j] as f64)
+                                .collect()
+                        } else {
+                            Vec::new()
+                        };
+                        let want = match (stored, start) {
+                            (false, _) => y0[r * ldy + c] as f64,
+                            (true, 1) => bias[c] as f64 + terms.iter().sum::<f64>(),
+                            (true, 2) => y0[r * ldy + c] as f64 + terms.iter().sum::<f64>(),
+                            _ => terms.iter().sum::<f64>(),
+                        };
+                        let scale = 1.0 + terms.iter().map(|t| t.abs()).sum::<f64>();
+                        let got = plain[r * ldy + c] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-6 * scale,
+                            "kc {kc}, start {start}, row {r}, column {c}: {got} against {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn decode_scores_match_f64_for_every_strip() {
         if !is_x86_feature_detected!("avx512f") {

@@ -3,7 +3,9 @@
 //! read once, and the decode-step projections, which stream a weight (read in place or
 //! packed), how far ahead they ask ([`PF_KEYS`], [`avx512_decode_ahead`],
 //! [`avx512_linear_ahead`], [`avx512_gemm_ahead`]) and whether the AVX-512 kernels ask at
-//! all on this CPU ([`decode_prefetch_by_default`]).
+//! all on this CPU ([`decode_prefetch_by_default`]); the same switch decides whether the
+//! projection product's whole strips ask for their weight panels ahead
+//! ([`avx512_gemm_strips`]).
 
 /// How many keys ahead the decode kernels ask for K/V rows: all rows on AVX2, and on
 /// AVX-512 f16/bf16 rows where [`avx512_decode_ahead`] asks at all (f32 rows half as
@@ -29,11 +31,11 @@ pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
     }
 }
 
-/// Whether the AVX-512 decode kernels ask for K/V rows ahead (and the decode-step
-/// projections for weight lines) when `CANDLE_ATTENTION_DECODE_PREFETCH` does not say
+/// Whether the AVX-512 decode kernels ask for K/V rows ahead (and the projection
+/// product for weight lines) when `CANDLE_ATTENTION_DECODE_PREFETCH` does not say
 /// (`1` on, `0` off; read once per process, at the first use): on Intel CPUs, where it
-/// made decode of long caches and decode-step projections faster, and not on others
-/// (see the kernel notes). Does not read the variable.
+/// made decode of long caches and the projections faster, and not on others (see the
+/// kernel notes). Does not read the variable.
 pub fn decode_prefetch_by_default() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -47,8 +49,8 @@ pub fn decode_prefetch_by_default() -> bool {
     }
 }
 
-/// Whether the AVX-512 decode kernels ask for K/V rows ahead, and the decode-step
-/// projections for weight lines: `CANDLE_ATTENTION_DECODE_PREFETCH` if it is `1` or `0`
+/// Whether the AVX-512 decode kernels ask for K/V rows ahead, and the projection product
+/// for weight lines: `CANDLE_ATTENTION_DECODE_PREFETCH` if it is `1` or `0`
 /// (read once per process), else [`decode_prefetch_by_default`]. On an Intel Xeon VM
 /// (AVX-512, AMX) it made bf16 and f16 `decode_b4` about 1.6–2× faster, and f32 decode
 /// with GQA or MQA over K/V out of cache 10–21% faster; on an AMD Zen 4 VM it made no
@@ -94,6 +96,17 @@ pub(crate) fn avx512_gemm_ahead() -> usize {
     } else {
         0
     }
+}
+
+/// Whether the AVX-512 projection product's whole 14-row strips ask for the weight
+/// panels' lines [`avx512::GEMM_LOOP_AHEAD`](super::avx512::GEMM_LOOP_AHEAD) steps ahead
+/// of reading them: where [`decode_rows`] (the same switch). The panels of a 768-step
+/// contraction chunk (96 KiB) come from L2; on the Intel VM, products with 4096 inputs
+/// took 10–15% less time with it and whole `MultiheadAttention` layers 3–10% less, while
+/// products with 768 inputs moved by −7% to +8% (kernel notes).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx512_gemm_strips() -> bool {
+    decode_rows()
 }
 
 /// How many keys ahead the AVX-512 decode kernels ask for K/V rows of `elem_bytes`-byte
