@@ -142,3 +142,55 @@ fn bad_shapes_are_errors_that_name_them() -> Result<()> {
     }
     Ok(())
 }
+
+/// Inputs with ±inf and NaN, and weights with them (f32, bf16 and f16), give the
+/// reference's infinities and NaNs, and its finite values elsewhere, on the first call
+/// and on the kept pack, for a few rows and for many. (Where the AMX tile unit runs
+/// f16/bf16 products, such input rows are recomputed by f32 dot products and such
+/// weights take the f32 product.)
+#[test]
+fn non_finite_inputs_and_weights_give_the_references_values() -> Result<()> {
+    let dev = Device::Cpu;
+    let (inp, out) = (64, 48);
+    for wdt in [DType::F32, DType::BF16, DType::F16] {
+        for bad_weight in [false, true] {
+            let mut wv = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / 8.0)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            if bad_weight {
+                wv[3 * inp + 1] = f32::INFINITY;
+                wv[40 * inp + 9] = f32::NAN;
+            }
+            let w = Tensor::from_vec(wv, (out, inp), &dev)?.to_dtype(wdt)?;
+            for rows in [5, 40] {
+                let mut xv = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                xv[inp + 2] = f32::INFINITY;
+                xv[3 * inp + 60] = f32::NEG_INFINITY;
+                xv[4 * inp] = f32::NAN;
+                let x = Tensor::from_vec(xv, (rows, inp), &dev)?;
+                let p = Proj::new(w.clone(), None);
+                let want =
+                    Proj::matmul_bias_reference(&x, &w.to_dtype(DType::F32)?, None)?.to_vec2::<f32>()?;
+                for call in ["first", "second"] {
+                    let got = p.forward(&x)?.to_vec2::<f32>()?;
+                    for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                        for (o, (&g, &w)) in g.iter().zip(w).enumerate() {
+                            let same = if w.is_finite() {
+                                (g - w).abs() <= 1e-5 * w.abs().max(1.0)
+                            } else {
+                                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan())
+                            };
+                            assert!(
+                                same,
+                                "weight {wdt:?} (non-finite: {bad_weight}), rows {rows}, {call} call, ({r}, {o}): {g} vs {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -8,6 +8,7 @@
 //! starting value.
 
 use super::aligned::AVec;
+use super::amx_linear;
 use super::isa::Isa;
 use super::pack::pack_k;
 use super::par;
@@ -225,6 +226,35 @@ pub(crate) fn linear_into(
     let wc = w.contiguous()?;
     let (wg, wl) = wc.storage_and_layout();
     let wd = weight_data(&wg, wl, w)?;
+    if let Some(cw) = tiles_comps(w.dtype()) {
+        let done = with_operands(x, (out, inp), w, b, dst, true, |rows, xv, bv, dst| {
+            // The VNNI pack lives in a buffer kept by the calling thread, as the f32
+            // pack below does.
+            PACK_TILES.with(|cell| {
+                let mut guard = cell.try_borrow_mut();
+                let mut fresh = AVec::default();
+                let wp = match guard.as_deref_mut() {
+                    Ok(buf) => buf,
+                    Err(_) => &mut fresh,
+                };
+                let len = amx_linear::pack_len((out, inp), cw);
+                wp.grow(len);
+                // SAFETY: `tiles_comps` saw the tile unit enabled.
+                let finite = unsafe { amx_linear::pack(wd, (out, inp), cw, &mut wp[..len]) };
+                if finite {
+                    // SAFETY: the same, and the pack holds finite weights.
+                    unsafe { amx_linear::product(xv, (&wp[..len], cw), bv, (rows, inp, out), dst) };
+                }
+                if wp.len() > 2 * KEEP_FLOATS {
+                    *wp = AVec::default();
+                }
+                finite
+            })
+        })?;
+        if done {
+            return Ok(());
+        }
+    }
     let np = out.div_ceil(NR);
     with_operands(x, (out, inp), w, b, dst, true, |rows, xv, bv, dst| {
         // The W pack lives in a buffer kept by the calling thread between calls: a fresh
@@ -266,7 +296,14 @@ pub(crate) fn linear_packed_into(
         b,
         dst,
         false,
-        |rows, xv, bv, dst| product(xv, &w.panels, bv, (rows, w.inp, w.out), dst),
+        |rows, xv, bv, dst| match &w.panels {
+            Panels::F32(wp) => product(xv, wp, bv, (rows, w.inp, w.out), dst),
+            // SAFETY: a tile pack is made only where the tile unit is enabled, and only of
+            // finite weights (`PackedWeight::cached`).
+            Panels::Tiles(wp, cw) => unsafe {
+                amx_linear::product(xv, (wp, *cw), bv, (rows, w.inp, w.out), dst)
+            },
+        },
     )
 }
 
@@ -344,11 +381,13 @@ fn cache_budget() -> usize {
 /// Bytes held by live [`PackedWeight`]s made by [`PackedWeight::cached`].
 static CACHED_BYTES: AtomicUsize = AtomicUsize::new(0);
 
-/// A weight `(out, in)` packed once into f32 16-output panels `[out / 16][in][16]`, for
-/// layers that apply the same weight many times ([`crate::Proj`]). It counts against a
-/// process-wide budget ([`cache_budget`]) until dropped.
+/// A weight `(out, in)` packed once, for layers that apply the same weight many times
+/// ([`crate::Proj`]): into f32 16-output panels `[out / 16][in][16]`, or, for f16/bf16
+/// weights where the AMX tile unit runs their products ([`tiles_comps`]), into its
+/// VNNI blocks (`amx_linear::pack`). It counts against a process-wide budget
+/// ([`cache_budget`]) until dropped.
 pub(crate) struct PackedWeight {
-    panels: AVec<f32>,
+    panels: Panels,
     out: usize,
     inp: usize,
     /// The weight it was packed from (a cheap handle), for error messages.
@@ -359,23 +398,70 @@ impl PackedWeight {
     /// Packs `w`, if the budget has room for it; `None` otherwise.
     pub(crate) fn cached(w: &Tensor) -> Result<Option<Self>> {
         let (out, inp) = w.dims2()?;
-        let bytes = out.div_ceil(NR) * NR * inp * std::mem::size_of::<f32>();
-        if !reserve(&CACHED_BYTES, bytes, cache_budget()) {
-            return Ok(None);
-        }
-        // From here `packed`'s drop gives the reservation back, also on an error below.
-        let mut packed = Self {
-            panels: AVec::new(out.div_ceil(NR) * NR * inp),
-            out,
-            inp,
-            source: w.clone(),
-        };
         let wc = w.contiguous()?;
         let (wg, wl) = wc.storage_and_layout();
         let wd = weight_data(&wg, wl, w)?;
-        pack_into(wd, (out, inp), &mut packed.panels);
+        if let Some(cw) = tiles_comps(w.dtype()) {
+            let len = amx_linear::pack_len((out, inp), cw);
+            let Some(mut packed) = Self::reserved(Panels::Tiles(AVec::new(len), cw), w)? else {
+                return Ok(None);
+            };
+            if let Panels::Tiles(wp, _) = &mut packed.panels {
+                // SAFETY: `tiles_comps` saw the tile unit enabled.
+                if unsafe { amx_linear::pack(wd, (out, inp), cw, wp) } {
+                    return Ok(Some(packed));
+                }
+            }
+            // A weight with ±inf or NaN: the f32 panels below (after `packed` gave its
+            // reservation back).
+        }
+        let Some(mut packed) = Self::reserved(Panels::F32(AVec::new(out.div_ceil(NR) * NR * inp)), w)? else {
+            return Ok(None);
+        };
+        if let Panels::F32(wp) = &mut packed.panels {
+            pack_into(wd, (out, inp), wp);
+        }
         Ok(Some(packed))
     }
+
+    /// A pack of `w` into `panels` (not yet written), if the budget has room for it.
+    fn reserved(panels: Panels, w: &Tensor) -> Result<Option<Self>> {
+        let (out, inp) = w.dims2()?;
+        if !reserve(&CACHED_BYTES, panels.bytes(), cache_budget()) {
+            return Ok(None);
+        }
+        // From here the drop gives the reservation back.
+        Ok(Some(Self {
+            panels,
+            out,
+            inp,
+            source: w.clone(),
+        }))
+    }
+}
+
+/// The packed weight of a [`PackedWeight`].
+enum Panels {
+    /// f32 16-output panels `[out / 16][in][16]`.
+    F32(AVec<f32>),
+    /// The tile unit's VNNI blocks, and the weight's bf16 components (`amx_linear`).
+    Tiles(AVec<u16>, usize),
+}
+
+impl Panels {
+    fn bytes(&self) -> usize {
+        match self {
+            Panels::F32(v) => std::mem::size_of_val(&v[..]),
+            Panels::Tiles(v, _) => std::mem::size_of_val(&v[..]),
+        }
+    }
+}
+
+/// The bf16 components of a weight of `dtype` when its products run on the AMX tile
+/// unit (`amx_linear`): f16 and bf16 weights where the tile unit is enabled
+/// (`amx_enabled`; read per call); `None` otherwise.
+fn tiles_comps(dtype: DType) -> Option<usize> {
+    amx_linear::weight_comps(dtype).filter(|_| amx_linear::enabled())
 }
 
 /// Adds `bytes` to `held` if the sum stays within `budget`; whether it did.
@@ -396,8 +482,7 @@ fn reserve(held: &AtomicUsize, bytes: usize, budget: usize) -> bool {
 
 impl Drop for PackedWeight {
     fn drop(&mut self) {
-        let bytes = self.panels.len() * std::mem::size_of::<f32>();
-        CACHED_BYTES.fetch_sub(bytes, Ordering::Relaxed);
+        CACHED_BYTES.fetch_sub(self.panels.bytes(), Ordering::Relaxed);
     }
 }
 
@@ -410,6 +495,8 @@ impl std::fmt::Debug for PackedWeight {
 thread_local! {
     /// This thread's W pack, reused across calls.
     static PACK: std::cell::RefCell<AVec<f32>> = std::cell::RefCell::new(AVec::default());
+    /// This thread's VNNI pack for the tile unit, reused across calls.
+    static PACK_TILES: std::cell::RefCell<AVec<u16>> = std::cell::RefCell::new(AVec::default());
     /// This thread's copy of the x rows of a block, for [`with_x_rows`].
     static X_ROWS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -936,6 +1023,28 @@ mod tests {
         assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before + bytes);
         drop(p);
         assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before);
+        // Where the tile unit runs f16/bf16 products, their weights are kept as its VNNI
+        // blocks (64 outputs × 32 inputs × 2 bytes per component); a weight with an
+        // infinity, and every weight elsewhere, as f32 panels.
+        for (dt, comps) in [(DType::BF16, 1), (DType::F16, 2)] {
+            let w = w.to_dtype(dt)?;
+            let p = PackedWeight::cached(&w)?.expect("fits");
+            let tiles = tiles_comps(dt).is_some();
+            assert_eq!(matches!(p.panels, Panels::Tiles(..)), tiles, "{dt:?}");
+            let want = if tiles { 64 * 32 * 2 * comps } else { bytes };
+            assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before + want, "{dt:?}");
+            drop(p);
+            let inf = Tensor::cat(&[w.narrow(0, 0, 19)?, (w.narrow(0, 19, 1)? * f64::INFINITY)?], 0)?;
+            let p = PackedWeight::cached(&inf)?.expect("fits");
+            assert!(matches!(p.panels, Panels::F32(_)), "{dt:?} with inf");
+            assert_eq!(
+                CACHED_BYTES.load(Ordering::Relaxed),
+                before + bytes,
+                "{dt:?} with inf"
+            );
+            drop(p);
+            assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before);
+        }
         Ok(())
     }
 }

@@ -1,0 +1,608 @@
+//! `y = x · Wᵀ + b` on the AMX tile unit (`TDPBF16PS`) for f16/bf16 weights and f32 `x`,
+//! with every product exact and the sums in f32, as the f32 products of `linear` compute
+//! them (in another order).
+//!
+//! - The weight `W (out, in)` is packed once per call (or once per layer, `linear`'s
+//!   `PackedWeight`) into the VNNI blocks of the attention kernel's K blocks
+//!   (`vnni::pack_k`, outputs as keys): bf16 as one bf16 component, f16 as the exact
+//!   `hi + lo`.
+//! - Each row block of `x` is split into three bf16 components `hi + mid + lo`, which sum
+//!   to the f32 value exactly (24 significant bits in three of 8, rounded to nearest; the
+//!   parts of values below about 2⁻¹⁰³ that fall under bf16's normal range are dropped,
+//!   as the tile unit reads subnormal inputs as zero). Components that are zero in every
+//!   row of the block are not multiplied: a bf16 layer's input (f32 converted from bf16)
+//!   is one component, an f16 layer's two. A zero component would only add zeros, so
+//!   skipping it leaves the result's bits unchanged.
+//! - The block products are `amx::qk` (x rows as queries, outputs as keys) over every
+//!   pair of components, into a scratch tile of two row tiles by one block of [`BK`]
+//!   outputs, from which the valid rows and outputs are copied to `y` with the bias.
+//! - Rows of `x` with a value that bf16 cannot hold (±inf, NaN, or beyond bf16's largest
+//!   finite value) would split into `inf + NaN`; they are recomputed by f32 dot products
+//!   against the packed weight, so they give what the f32 product gives (±inf or NaN).
+//!   A weight with a non-finite value is not packed here (`pack` says so), and `linear`
+//!   runs its f32 product instead.
+
+use super::aligned::AVec;
+use super::amx;
+use super::par;
+use super::tiles::{BK, NR};
+use super::view::{Data, View};
+use super::vnni::{e_pad, k_len, Terms, TILE, TK, TM};
+use candle::DType;
+use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
+
+/// Rows per parallel work item (about; whole 16-row tiles), as in `linear`.
+const ROWS: usize = 144;
+/// Row stride (floats) of the scratch that receives the tile stores: one block of
+/// outputs and one cache line more, so that a tile's 16 rows do not share a few L1 sets
+/// (see the AMX score rows, `driver::amx_block::SLD`).
+const SLD: usize = BK + 16;
+
+/// bf16 components of a weight of `dtype` on this path (1 for bf16, 2 for f16), or
+/// `None` for dtypes it does not take.
+pub(crate) fn weight_comps(dtype: DType) -> Option<usize> {
+    match dtype {
+        DType::BF16 => Some(1),
+        DType::F16 => Some(2),
+        _ => None,
+    }
+}
+
+/// Whether this process runs f16/bf16 weights' products here: the AMX tile unit is
+/// enabled for the attention kernel (`kernels::cpu::amx_enabled`: AMX available, the
+/// AVX-512 instruction set selected, `CANDLE_ATTENTION_AMX` not `0`).
+pub(crate) fn enabled() -> bool {
+    super::amx_enabled()
+}
+
+/// `u16` elements of the pack of an `(out, in)` weight of `comps` components.
+pub(crate) fn pack_len((out, inp): (usize, usize), comps: usize) -> usize {
+    out.div_ceil(BK) * k_len(inp, comps)
+}
+
+/// Packs `W (out, in)` (bf16 or f16, `comps` from [`weight_comps`]) into `dst`
+/// ([`pack_len`] elements) in blocks of [`BK`] outputs, in parallel. Returns whether
+/// every weight is finite; when it returns false the pack must not be used.
+///
+/// # Safety
+/// [`enabled`] returned true (AVX-512F and AVX512-BF16 are available).
+pub(crate) unsafe fn pack(wd: Data, (out, inp): (usize, usize), comps: usize, dst: &mut [u16]) -> bool {
+    assert_eq!(dst.len(), pack_len((out, inp), comps));
+    let view = View {
+        data: wd,
+        start: 0,
+        strides: [0, 0, inp, 1],
+    };
+    let ep = e_pad(inp);
+    let klen = k_len(inp, comps);
+    let finite = std::sync::atomic::AtomicBool::new(true);
+    par::chunks_for_each(
+        dst,
+        klen,
+        || (vec![0u16; comps * BK * ep], vec![0f32; inp]),
+        |(rows, tmp), (j, blk)| {
+            let o0 = j * BK;
+            // SAFETY: the caller's guarantee; `blk` holds `k_len` elements, `rows` and
+            // `tmp` the scratch `pack_k` asks for.
+            unsafe { super::vnni::pack_k(&view, 0, 0, o0, BK.min(out - o0), inp, comps, blk, rows, tmp) };
+            // Component 0 (`hi`) is ±inf or NaN exactly where the weight is.
+            let hi = &blk[..klen / comps];
+            if hi.iter().any(|&h| h & 0x7f80 == 0x7f80) {
+                finite.store(false, std::sync::atomic::Ordering::Relaxed);
+            }
+        },
+    );
+    finite.into_inner()
+}
+
+/// `(x, w)` component pairs for `cx` components of x (1–3) and `cw` of W (1–2): all of
+/// them, so that the sum of the products is the exact product of the values.
+fn terms(cx: usize, cw: usize) -> Terms {
+    match (cx, cw) {
+        (1, 1) => &[(0, 0)],
+        (2, 1) => &[(0, 0), (1, 0)],
+        (3, 1) => &[(0, 0), (1, 0), (2, 0)],
+        (1, _) => &[(0, 0), (0, 1)],
+        (2, _) => &[(0, 0), (0, 1), (1, 0), (1, 1)],
+        _ => &[(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)],
+    }
+}
+
+/// `n` rows of x split into bf16 components for the tile products.
+struct SplitX {
+    /// Component `c`, row `r`, element `k` at `c·cs + r·ld + k`; rows padded to whole
+    /// tiles and elements to `ld` with zeros.
+    data: AVec<u16>,
+    /// Row stride (`e_pad(in)`).
+    ld: usize,
+    /// Component stride (`ld` × rows padded to a multiple of 16).
+    cs: usize,
+    /// Components with a non-zero element (1–3).
+    comps: usize,
+    /// Rows with a value that bf16 cannot hold (see the module doc).
+    bad: Vec<usize>,
+}
+
+/// Splits `n` rows of `inp` floats (row stride `ldx`) into [`SplitX`].
+///
+/// # Safety
+/// AVX-512F and AVX512-BF16 are available.
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+unsafe fn split_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX {
+    assert!(n == 0 || xs.len() >= (n - 1) * ldx + inp);
+    let ld = e_pad(inp);
+    let cs = n.div_ceil(TM) * TM * ld;
+    // Zeroed, so padding rows and columns are 0.
+    let mut data = AVec::<u16>::new(3 * cs);
+    let d = data.as_mut_ptr();
+    let (mut any_mid, mut any_lo) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    let mut bad = Vec::new();
+    for r in 0..n {
+        let row = xs.as_ptr().add(r * ldx);
+        let mut nonfinite: __mmask16 = 0;
+        let mut k = 0;
+        while k < inp {
+            let m = super::avx512::tail_mask_full(inp - k);
+            let v = _mm512_maskz_loadu_ps(m, row.add(k));
+            let h = _mm512_cvtneps_pbh(v);
+            let hf = _mm512_cvtpbh_ps(h);
+            // ±inf (0x08, 0x10) or NaN (0x01, 0x80).
+            nonfinite |= _mm512_fpclass_ps_mask::<0x99>(hf);
+            let r1 = _mm512_sub_ps(v, hf);
+            let mi = _mm512_cvtneps_pbh(r1);
+            let lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, _mm512_cvtpbh_ps(mi)));
+            let bits = |v: __m256bh| std::mem::transmute::<__m256bh, __m256i>(v);
+            let (h, mi, lo) = (bits(h), bits(mi), bits(lo));
+            any_mid = _mm256_or_si256(any_mid, mi);
+            any_lo = _mm256_or_si256(any_lo, lo);
+            let at = r * ld + k;
+            _mm256_storeu_si256(d.add(at) as *mut __m256i, h);
+            _mm256_storeu_si256(d.add(cs + at) as *mut __m256i, mi);
+            _mm256_storeu_si256(d.add(2 * cs + at) as *mut __m256i, lo);
+            k += 16;
+        }
+        if nonfinite != 0 {
+            bad.push(r);
+        }
+    }
+    // Bits other than the sign: a component of −0 is zero too.
+    let magnitude = _mm256_set1_epi16(0x7fff);
+    let nonzero = |v: __m256i| _mm256_testz_si256(v, magnitude) == 0;
+    let comps = if nonzero(any_lo) {
+        3
+    } else if nonzero(any_mid) {
+        2
+    } else {
+        1
+    };
+    SplitX {
+        data,
+        ld,
+        cs,
+        comps,
+        bad,
+    }
+}
+
+/// `y = x · Wᵀ (+ b)` for `x (rows, in)` (row-major, f32) against the pack `wp` of `cw`
+/// components ([`pack`]), into `y` (`rows · out`, all written). Row blocks of about
+/// [`ROWS`] rows run in parallel; with fewer 16-row tiles than threads (a decode step) the
+/// threads split the output blocks instead.
+///
+/// # Safety
+/// [`enabled`] returned true, and [`pack`] returned true for `wp`.
+pub(crate) unsafe fn product(
+    xv: &[f32],
+    (wp, cw): (&[u16], usize),
+    bv: Option<&[f32]>,
+    (rows, inp, out): (usize, usize, usize),
+    y: &mut [MaybeUninit<f32>],
+) {
+    assert!(y.len() == rows * out && xv.len() == rows * inp);
+    assert!(wp.len() == pack_len((out, inp), cw) && bv.is_none_or(|b| b.len() == out));
+    let nt = par::threads();
+    let tiles = rows.div_ceil(TM);
+    if tiles < nt {
+        return product_by_columns(xv, (wp, cw), bv, (rows, inp, out), y);
+    }
+    let nblk = rows.div_ceil(ROWS).div_ceil(nt) * nt;
+    let mut blocks = Vec::with_capacity(nblk);
+    let mut rest = y;
+    for i in 0..nblk {
+        let r0 = (i * tiles / nblk * TM).min(rows);
+        let r1 = ((i + 1) * tiles / nblk * TM).min(rows);
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut((r1 - r0) * out);
+        blocks.push((r0, head));
+        rest = tail;
+    }
+    blocks.retain(|(_, ys)| !ys.is_empty());
+    par::vec_for_each(blocks, |(r0, ys)| {
+        let n = ys.len() / out;
+        // SAFETY: the caller's guarantees; `ys` holds rows `r0..r0 + n` of `y`.
+        unsafe {
+            let xs = &xv[r0 * inp..(r0 + n) * inp];
+            let sx = split_rows(xs, inp, n, inp);
+            blocks_into(
+                (xs, &sx),
+                (wp, cw),
+                bv,
+                (n, inp, out),
+                (0, out.div_ceil(BK)),
+                ys,
+                out,
+            );
+        }
+    });
+}
+
+/// [`product`] for fewer 16-row tiles than threads: x is split once, and the threads
+/// take runs of output blocks, each into a buffer of its own that is then copied to `y`.
+///
+/// # Safety
+/// As for [`product`].
+unsafe fn product_by_columns(
+    xv: &[f32],
+    (wp, cw): (&[u16], usize),
+    bv: Option<&[f32]>,
+    (rows, inp, out): (usize, usize, usize),
+    y: &mut [MaybeUninit<f32>],
+) {
+    let sx = split_rows(xv, inp, rows, inp);
+    let nb = out.div_ceil(BK);
+    let parts_n = par::threads().min(nb).max(1);
+    let mut parts: Vec<(usize, usize, Vec<MaybeUninit<f32>>)> = (0..parts_n)
+        .map(|i| {
+            let (j0, j1) = (i * nb / parts_n, (i + 1) * nb / parts_n);
+            let cols = (j1 * BK).min(out) - j0 * BK;
+            (j0, j1, vec![MaybeUninit::uninit(); rows * cols])
+        })
+        .filter(|(j0, j1, _)| j1 > j0)
+        .collect();
+    par::vec_for_each(parts.iter_mut().collect(), |(j0, j1, buf)| {
+        let cols = buf.len() / rows;
+        // SAFETY: the caller's guarantees; `buf` holds `rows` rows of the `cols`
+        // outputs of blocks `j0..j1`.
+        unsafe { blocks_into((xv, &sx), (wp, cw), bv, (rows, inp, out), (*j0, *j1), buf, cols) };
+    });
+    for (j0, _, buf) in &parts {
+        let (o0, cols) = (j0 * BK, buf.len() / rows);
+        for r in 0..rows {
+            y[r * out + o0..r * out + o0 + cols].copy_from_slice(&buf[r * cols..(r + 1) * cols]);
+        }
+    }
+}
+
+/// Output blocks `j0..j1` ([`BK`] outputs each) of the `rows` rows of `xs` (row-major,
+/// split into `sx`), plus the bias, into `y` (row stride `ldy`; block `j0` at column
+/// 0), all written. Rows in `sx.bad` are recomputed by [`dot_row`].
+///
+/// # Safety
+/// As for [`product`]; `y` holds `rows` rows of stride `ldy ≥ (j1 − j0)·BK` clipped to
+/// `out`.
+unsafe fn blocks_into(
+    (xs, sx): (&[f32], &SplitX),
+    (wp, cw): (&[u16], usize),
+    bv: Option<&[f32]>,
+    (rows, inp, out): (usize, usize, usize),
+    (j0, j1): (usize, usize),
+    y: &mut [MaybeUninit<f32>],
+    ldy: usize,
+) {
+    let klen = k_len(inp, cw);
+    let tiles = rows.div_ceil(TM);
+    let terms = terms(sx.comps, cw);
+    let kcs = klen / cw;
+    let mut scratch = AVec::<f32>::new(2 * TM * SLD);
+    amx::configure();
+    for j in j0..j1 {
+        let o0 = j * BK;
+        let nout = BK.min(out - o0);
+        let kb = wp[j * klen..(j + 1) * klen].as_ptr();
+        let mut rt = 0;
+        while rt < tiles {
+            let rtiles = 2.min(tiles - rt);
+            amx::qk(
+                sx.data.as_ptr().add(rt * TM * sx.ld),
+                sx.cs,
+                (rtiles, sx.ld),
+                inp,
+                (kb, nout.div_ceil(NR)),
+                kcs,
+                terms,
+                scratch.as_mut_ptr(),
+                SLD,
+            );
+            for r in rt * TM..((rt + rtiles) * TM).min(rows) {
+                let src = &scratch[(r - rt * TM) * SLD..][..nout];
+                let dst = &mut y[r * ldy + o0 - j0 * BK..][..nout];
+                match bv {
+                    Some(b) => {
+                        let b = &b[o0..o0 + nout];
+                        for ((d, &s), &b) in dst.iter_mut().zip(src).zip(b) {
+                            d.write(s + b);
+                        }
+                    }
+                    None => {
+                        for (d, &s) in dst.iter_mut().zip(src) {
+                            d.write(s);
+                        }
+                    }
+                }
+            }
+            rt += rtiles;
+        }
+    }
+    amx::release();
+    for &r in &sx.bad {
+        let x = &xs[r * inp..(r + 1) * inp];
+        dot_row(x, (wp, cw), bv, out, (j0, j1), &mut y[r * ldy..]);
+    }
+}
+
+/// `y[at + o − j0·BK] = b[o] + Σₖ x[k]·W[o][k]` for the outputs `o` of blocks `j0..j1`,
+/// as f32 dot products in order of the contraction (bias first), with the weight read
+/// back from the pack: for rows of x that the split cannot carry (see the module doc),
+/// so that they give the f32 product's ±inf and NaN.
+fn dot_row(
+    x: &[f32],
+    (wp, cw): (&[u16], usize),
+    bv: Option<&[f32]>,
+    out: usize,
+    (j0, j1): (usize, usize),
+    y: &mut [MaybeUninit<f32>],
+) {
+    let inp = x.len();
+    let klen = k_len(inp, cw);
+    let (kt, clen) = (e_pad(inp) / TK, klen / cw);
+    let bf = |bits: u16| f32::from_bits((bits as u32) << 16);
+    for o in j0 * BK..(j1 * BK).min(out) {
+        let (j, p, col) = (o / BK, (o % BK) / NR, o % NR);
+        let mut acc = bv.map_or(0.0, |b| b[o]);
+        for (k, &xk) in x.iter().enumerate() {
+            let (t, pair, half) = (k / TK, (k % TK) / 2, k % 2);
+            let at = j * klen + (p * kt + t) * TILE + pair * TK + 2 * col + half;
+            let w: f32 = (0..cw).map(|c| bf(wp[c * clen + at])).sum();
+            acc += xk * w;
+        }
+        y[o - j0 * BK].write(acc);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle::{Device, Tensor};
+
+    /// `w (out, in)` of `dtype` packed here, or `None` without the tile unit.
+    fn packed(w: &Tensor) -> Option<(AVec<u16>, usize)> {
+        let cw = weight_comps(w.dtype())?;
+        let (out, inp) = w.dims2().ok()?;
+        let (g, l) = w.storage_and_layout();
+        let wd = match &*g {
+            candle::Storage::Cpu(candle::CpuStorage::BF16(v)) => Data::BF16(&v[l.start_offset()..]),
+            candle::Storage::Cpu(candle::CpuStorage::F16(v)) => Data::F16(&v[l.start_offset()..]),
+            _ => return None,
+        };
+        let mut wp = AVec::<u16>::new(pack_len((out, inp), cw));
+        // SAFETY: `enabled` was checked by the callers.
+        assert!(unsafe { pack(wd, (out, inp), cw, &mut wp) });
+        Some((wp, cw))
+    }
+
+    fn run(x: &[f32], w: &(AVec<u16>, usize), b: Option<&[f32]>, dims: (usize, usize, usize)) -> Vec<f32> {
+        let mut y = vec![MaybeUninit::<f32>::uninit(); dims.0 * dims.2];
+        // SAFETY: `enabled` was checked by the callers, and `pack` returned true.
+        unsafe { product(x, (&w.0, w.1), b, dims, &mut y) };
+        // SAFETY: `product` writes every element.
+        y.into_iter().map(|v| unsafe { v.assume_init() }).collect()
+    }
+
+    /// Against an f64 product of the same values, within `5e-7 · (1 + Σ|x·w|)` (about 4
+    /// f32 ulps of the terms' size; dropping x's `lo` component would cost 2⁻¹⁷ of it,
+    /// a tile of 32 of the contraction much more; the worst seen was 1.5e-7): bf16 and f16 weights, x with 1, 2 and 3 non-zero components, every
+    /// height of a short last row tile and both schedules (row blocks and output blocks),
+    /// partial output panels and blocks, contraction tails, with and without bias.
+    #[test]
+    fn products_match_f64() -> Result<(), candle::Error> {
+        if !enabled() {
+            eprintln!("no AMX tile unit here: nothing to check");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        let mut checked = 0;
+        for (rows, inp, out) in [
+            (1, 32, 16),
+            (5, 100, 50),
+            (17, 64, 64),
+            (33, 96, 129),
+            (300, 259, 200),
+            (47, 768, 80),
+        ] {
+            for wdt in [DType::BF16, DType::F16] {
+                let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?.to_dtype(wdt)?;
+                let pw = packed(&w).expect("bf16/f16");
+                let wv = w.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+                let b: Vec<f32> = (0..out).map(|o| o as f32 * 0.25 - 3.0).collect();
+                for xdt in [DType::BF16, DType::F16, DType::F32] {
+                    let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?
+                        .to_dtype(xdt)?
+                        .to_dtype(DType::F32)?;
+                    let xv = x.flatten_all()?.to_vec1::<f32>()?;
+                    for bias in [None, Some(&b[..])] {
+                        let got = run(&xv, &pw, bias, (rows, inp, out));
+                        for r in 0..rows {
+                            for o in 0..out {
+                                let terms = (0..inp).map(|k| xv[r * inp + k] as f64 * wv[o][k] as f64);
+                                let want = terms.clone().sum::<f64>() + bias.map_or(0.0, |b| b[o] as f64);
+                                let size = terms.map(f64::abs).sum::<f64>() + 1.0;
+                                let g = got[r * out + o] as f64;
+                                assert!(
+                                    (g - want).abs() <= 5e-7 * size,
+                                    "{rows}x{inp}x{out} w {wdt:?} x {xdt:?} ({r}, {o}): {g} vs {want}"
+                                );
+                            }
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 72);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod more_tests {
+    use super::*;
+    use candle::{Device, Tensor};
+
+    /// Rows of x that are exactly bf16 values split into one component, f16 values into
+    /// two, other f32 values into three; and multiplying the zero components too (all
+    /// three) gives the same bits as skipping them.
+    #[test]
+    fn zero_components_are_skipped_without_changing_a_bit() -> Result<(), candle::Error> {
+        if !enabled() {
+            eprintln!("no AMX tile unit here: nothing to check");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        let (rows, inp, out) = (37, 200, 70);
+        for wdt in [DType::BF16, DType::F16] {
+            let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?.to_dtype(wdt)?;
+            let (g, l) = w.storage_and_layout();
+            let wd = match &*g {
+                candle::Storage::Cpu(candle::CpuStorage::BF16(v)) => Data::BF16(&v[l.start_offset()..]),
+                candle::Storage::Cpu(candle::CpuStorage::F16(v)) => Data::F16(&v[l.start_offset()..]),
+                _ => unreachable!("a bf16 or f16 tensor"),
+            };
+            let cw = weight_comps(wdt).expect("bf16/f16");
+            let mut wp = AVec::<u16>::new(pack_len((out, inp), cw));
+            // SAFETY: `enabled` returned true.
+            assert!(unsafe { pack(wd, (out, inp), cw, &mut wp) });
+            let b: Vec<f32> = (0..out).map(|o| o as f32 - 30.0).collect();
+            for (xdt, comps) in [(DType::BF16, 1), (DType::F16, 2), (DType::F32, 3)] {
+                let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?
+                    .to_dtype(xdt)?
+                    .to_dtype(DType::F32)?;
+                let xv = x.flatten_all()?.to_vec1::<f32>()?;
+                // SAFETY: `enabled` returned true.
+                let mut sx = unsafe { split_rows(&xv, inp, rows, inp) };
+                assert_eq!(sx.comps, comps, "{xdt:?}");
+                let run = |sx: &SplitX| {
+                    let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
+                    let blocks = (0, out.div_ceil(BK));
+                    // SAFETY: as above, and `pack` returned true.
+                    unsafe {
+                        blocks_into(
+                            (&xv, sx),
+                            (&wp, cw),
+                            Some(&b),
+                            (rows, inp, out),
+                            blocks,
+                            &mut y,
+                            out,
+                        )
+                    };
+                    // SAFETY: `blocks_into` writes every element.
+                    y.into_iter()
+                        .map(|v| unsafe { v.assume_init() }.to_bits())
+                        .collect::<Vec<_>>()
+                };
+                let skipped = run(&sx);
+                sx.comps = 3;
+                assert_eq!(skipped, run(&sx), "weight {wdt:?}, x {xdt:?}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Rows with ±inf, NaN or a finite value beyond bf16's range give what f32 dot
+    /// products give (the same infinities and NaNs, and finite values where those are
+    /// finite), in both schedules; the other rows keep the tile products.
+    #[test]
+    fn rows_that_bf16_cannot_hold_get_f32_products() -> Result<(), candle::Error> {
+        if !enabled() {
+            eprintln!("no AMX tile unit here: nothing to check");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        let (inp, out) = (96, 80);
+        let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / 20.0)?.to_dtype(DType::BF16)?;
+        let wv = w.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let (g, l) = w.storage_and_layout();
+        let candle::Storage::Cpu(candle::CpuStorage::BF16(v)) = &*g else {
+            unreachable!("a bf16 tensor")
+        };
+        let mut wp = AVec::<u16>::new(pack_len((out, inp), 1));
+        // SAFETY: `enabled` returned true.
+        assert!(unsafe { pack(Data::BF16(&v[l.start_offset()..]), (out, inp), 1, &mut wp) });
+        for rows in [3, 40] {
+            let mut xv = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            xv[inp + 5] = f32::INFINITY;
+            xv[2 * inp + 7] = f32::NEG_INFINITY;
+            xv[2 * inp + 9] = f32::INFINITY;
+            if rows > 3 {
+                xv[20 * inp] = f32::NAN;
+                xv[33 * inp + 95] = 3.4e38;
+            }
+            let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
+            // SAFETY: as above, and `pack` returned true.
+            unsafe { product(&xv, (&wp, 1), None, (rows, inp, out), &mut y) };
+            for r in 0..rows {
+                for o in 0..out {
+                    // SAFETY: `product` writes every element.
+                    let got = unsafe { y[r * out + o].assume_init() };
+                    let want = (0..inp).fold(0f32, |acc, k| acc + xv[r * inp + k] * wv[o][k]);
+                    let same = if want.is_finite() {
+                        (got - want).abs() <= 1e-5 * want.abs().max(1.0)
+                    } else {
+                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
+                    };
+                    assert!(same, "rows {rows} ({r}, {o}): {got} vs {want}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A weight with ±inf or NaN is refused (`pack` returns false), in bf16 and f16.
+    #[test]
+    fn weights_with_non_finite_values_are_refused() -> Result<(), candle::Error> {
+        if !enabled() {
+            eprintln!("no AMX tile unit here: nothing to check");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        let (out, inp) = (70, 40);
+        for wdt in [DType::BF16, DType::F16] {
+            for (bad, at) in [
+                (f32::INFINITY, 0),
+                (f32::NEG_INFINITY, 69 * 40 + 39),
+                (f32::NAN, 65 * 40 + 3),
+                (0.5, 7),
+            ] {
+                let mut wv = Tensor::randn(0f32, 1.0, (out, inp), &dev)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                wv[at] = bad;
+                let w = Tensor::from_vec(wv, (out, inp), &dev)?.to_dtype(wdt)?;
+                let (g, l) = w.storage_and_layout();
+                let wd = match &*g {
+                    candle::Storage::Cpu(candle::CpuStorage::BF16(v)) => Data::BF16(&v[l.start_offset()..]),
+                    candle::Storage::Cpu(candle::CpuStorage::F16(v)) => Data::F16(&v[l.start_offset()..]),
+                    _ => unreachable!("a bf16 or f16 tensor"),
+                };
+                let cw = weight_comps(wdt).expect("bf16/f16");
+                let mut wp = AVec::<u16>::new(pack_len((out, inp), cw));
+                // SAFETY: `enabled` returned true.
+                let finite = unsafe { pack(wd, (out, inp), cw, &mut wp) };
+                assert_eq!(finite, bad.is_finite(), "{wdt:?} {bad} at {at}");
+            }
+        }
+        Ok(())
+    }
+}
