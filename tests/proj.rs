@@ -146,7 +146,7 @@ fn bad_shapes_are_errors_that_name_them() -> Result<()> {
 /// Inputs with ±inf and NaN, and weights with them (f32, bf16 and f16), give the
 /// reference's infinities and NaNs, and its finite values elsewhere, on the first call
 /// and on the kept pack, for a few rows and for many. (Where the AMX tile unit runs
-/// f16/bf16 products, such input rows are recomputed by f32 dot products and such
+/// bf16 products, such input rows are recomputed by f32 dot products and such
 /// weights take the f32 product.)
 #[test]
 fn non_finite_inputs_and_weights_give_the_references_values() -> Result<()> {

@@ -386,3 +386,80 @@ pub(crate) unsafe fn pv(
         rt += if two_r { 2 } else { 1 };
     }
 }
+
+/// One output block of a projection: `C = init + Σ X_c · W_c'ᵀ` over every component
+/// pair `(c, c')` (`cx` components of x, `cw` of W), for `rtiles` (1–2) 16-row tiles of
+/// x by `panels` (1–2) 16-output panels of a packed W block.
+///
+/// - x (`xa`): row-major bf16 components at stride `xcs`, rows `ldx` apart (≥ `32·kt`).
+/// - W (`wb`): the VNNI tiles of `vnni::pack_k`, panel `p`, contraction tile `t` at
+///   `(p·kt + t)·TILE`, components at stride `wcs`.
+/// - `init`: 16 floats per panel, added to every row (the bias; read as tiles of
+///   stride 0), or zero when null.
+/// - C (f32) is stored at `y`, rows `ldy` floats apart, panel `p` at `y + 16·p`.
+///
+/// Each contraction tile loads its W tiles once per W component and multiplies them by
+/// every x component.
+///
+/// # Safety
+/// [`configure`] must have run on this thread; the buffers must hold what is described.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_tiles(
+    (xa, xcs, ldx, cx): (*const u16, usize, usize, usize),
+    (wb, wcs, cw): (*const u16, usize, usize),
+    kt: usize,
+    (rtiles, panels): (usize, usize),
+    init: *const f32,
+    (y, ldy): (*mut f32, usize),
+) {
+    debug_assert!((1..=2).contains(&rtiles) && (1..=2).contains(&panels));
+    let (two_r, two_p) = (rtiles == 2, panels == 2);
+    let (sa, sb, sy) = (ldx * 2, TK * 2, ldy * 4);
+    if init.is_null() {
+        tzero!(0);
+        tzero!(1);
+        tzero!(2);
+        tzero!(3);
+    } else {
+        tload!(0, init, 0usize);
+        tload!(2, init, 0usize);
+        if two_p {
+            tload!(1, init.add(NR), 0usize);
+            tload!(3, init.add(NR), 0usize);
+        }
+    }
+    for t in 0..kt {
+        for cb in 0..cw {
+            let b0 = wb.add(cb * wcs + t * TILE);
+            tload!(6, b0, sb);
+            if two_p {
+                tload!(7, b0.add(kt * TILE), sb);
+            }
+            for ca in 0..cx {
+                let a0 = xa.add(ca * xcs + t * TK);
+                tload!(4, a0, sa);
+                tdp!(0, 4, 6);
+                if two_p {
+                    tdp!(1, 4, 7);
+                }
+                if two_r {
+                    tload!(5, a0.add(TM * ldx), sa);
+                    tdp!(2, 5, 6);
+                    if two_p {
+                        tdp!(3, 5, 7);
+                    }
+                }
+            }
+        }
+    }
+    tstore!(0, y, sy);
+    if two_p {
+        tstore!(1, y.add(NR), sy);
+    }
+    if two_r {
+        tstore!(2, y.add(TM * ldy), sy);
+        if two_p {
+            tstore!(3, y.add(TM * ldy + NR), sy);
+        }
+    }
+}

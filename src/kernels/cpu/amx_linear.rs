@@ -1,21 +1,23 @@
-//! `y = x · Wᵀ + b` on the AMX tile unit (`TDPBF16PS`) for f16/bf16 weights and f32 `x`,
+//! `y = x · Wᵀ + b` on the AMX tile unit (`TDPBF16PS`) for bf16 weights and f32 `x`,
 //! with every product exact and the sums in f32, as the f32 products of `linear` compute
 //! them (in another order).
 //!
 //! - The weight `W (out, in)` is packed once per call (or once per layer, `linear`'s
 //!   `PackedWeight`) into the VNNI blocks of the attention kernel's K blocks
-//!   (`vnni::pack_k`, outputs as keys): bf16 as one bf16 component, f16 as the exact
-//!   `hi + lo`.
+//!   (`vnni::pack_k`, outputs as keys): bf16 as one bf16 component (f16, which
+//!   [`runs`] does not send here, as the exact `hi + lo`).
 //! - Each row block of `x` is split into three bf16 components `hi + mid + lo`, which sum
 //!   to the f32 value exactly (24 significant bits in three of 8, rounded to nearest; the
 //!   parts of values below about 2⁻¹⁰³ that fall under bf16's normal range are dropped,
 //!   as the tile unit reads subnormal inputs as zero). Components that are zero in every
 //!   row of the block are not multiplied: a bf16 layer's input (f32 converted from bf16)
-//!   is one component, an f16 layer's two. A zero component would only add zeros, so
-//!   skipping it leaves the result's bits unchanged.
-//! - The block products are `amx::qk` (x rows as queries, outputs as keys) over every
-//!   pair of components, into a scratch tile of two row tiles by one block of [`BK`]
-//!   outputs, from which the valid rows and outputs are copied to `y` with the bias.
+//!   is one component. A zero component would only add zeros, so
+//!   skipping it leaves the result unchanged (but for the sign of a zero).
+//! - The block products are `amx::gemm_tiles`: 2 × 2 tiles of 16 rows by 16 outputs,
+//!   over every pair of components (each W tile loaded once per contraction tile and
+//!   multiplied by each x component), the bias as the accumulators' starting value. Whole
+//!   tiles are stored in place; the last row tile and a partial last panel go through a
+//!   scratch tile.
 //! - Rows of `x` with a value that bf16 cannot hold (±inf, NaN, or beyond bf16's largest
 //!   finite value) would split into `inf + NaN`; they are recomputed by f32 dot products
 //!   against the packed weight, so they give what the f32 product gives (±inf or NaN).
@@ -27,7 +29,7 @@ use super::amx;
 use super::par;
 use super::tiles::{BK, NR};
 use super::view::{Data, View};
-use super::vnni::{e_pad, k_len, Terms, TILE, TK, TM};
+use super::vnni::{e_pad, k_len, TILE, TK, TM};
 use candle::DType;
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
@@ -39,8 +41,8 @@ const ROWS: usize = 144;
 /// (see the AMX score rows, `driver::amx_block::SLD`).
 const SLD: usize = BK + 16;
 
-/// bf16 components of a weight of `dtype` on this path (1 for bf16, 2 for f16), or
-/// `None` for dtypes it does not take.
+/// bf16 components of a weight of `dtype` in a pack (1 for bf16, 2 for f16), or `None`
+/// for dtypes the pack does not take.
 pub(crate) fn weight_comps(dtype: DType) -> Option<usize> {
     match dtype {
         DType::BF16 => Some(1),
@@ -49,9 +51,21 @@ pub(crate) fn weight_comps(dtype: DType) -> Option<usize> {
     }
 }
 
-/// Whether this process runs f16/bf16 weights' products here: the AMX tile unit is
-/// enabled for the attention kernel (`kernels::cpu::amx_enabled`: AMX available, the
-/// AVX-512 instruction set selected, `CANDLE_ATTENTION_AMX` not `0`).
+/// Whether this process runs the products of weights of `dtype` here: bf16 weights,
+/// where the AMX tile unit is enabled for the attention kernel
+/// (`kernels::cpu::amx_enabled`: AMX available, the AVX-512 instruction set selected,
+/// `CANDLE_ATTENTION_AMX` not `0`; read per call).
+///
+/// f16 weights keep the f32 product. Their two components make four tile products per
+/// step for an f16 layer's input and six for an f32 input, and whole f16
+/// `MultiheadAttention` layers ran slower on them than on the f32 product on the Intel
+/// VM of 2026-12-06 (in one process, alternating: +1.9% to +15.5% on three shapes, one
+/// reading −12.2%). The packs and products take them all the same (`tests` checks both).
+pub(crate) fn runs(dtype: DType) -> bool {
+    dtype == DType::BF16 && enabled()
+}
+
+/// Whether the AMX tile unit is enabled (see [`runs`]).
 pub(crate) fn enabled() -> bool {
     super::amx_enabled()
 }
@@ -96,19 +110,6 @@ pub(crate) unsafe fn pack(wd: Data, (out, inp): (usize, usize), comps: usize, ds
     finite.into_inner()
 }
 
-/// `(x, w)` component pairs for `cx` components of x (1–3) and `cw` of W (1–2): all of
-/// them, so that the sum of the products is the exact product of the values.
-fn terms(cx: usize, cw: usize) -> Terms {
-    match (cx, cw) {
-        (1, 1) => &[(0, 0)],
-        (2, 1) => &[(0, 0), (1, 0)],
-        (3, 1) => &[(0, 0), (1, 0), (2, 0)],
-        (1, _) => &[(0, 0), (0, 1)],
-        (2, _) => &[(0, 0), (0, 1), (1, 0), (1, 1)],
-        _ => &[(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)],
-    }
-}
-
 /// `n` rows of x split into bf16 components for the tile products.
 struct SplitX {
     /// Component `c`, row `r`, element `k` at `c·cs + r·ld + k`; rows padded to whole
@@ -124,6 +125,69 @@ struct SplitX {
     bad: Vec<usize>,
 }
 
+thread_local! {
+    /// This thread's buffer for [`SplitX`], reused across calls: a fresh one of a few MB
+    /// would page-fault on every call.
+    static SPLIT: std::cell::RefCell<AVec<u16>> = std::cell::RefCell::new(AVec::default());
+}
+
+/// Largest [`SPLIT`] buffer (elements) a thread keeps between calls (8 MiB).
+const KEEP_SPLIT: usize = 4 << 20;
+
+impl Drop for SplitX {
+    fn drop(&mut self) {
+        let data = std::mem::take(&mut self.data);
+        if data.len() <= KEEP_SPLIT {
+            SPLIT.with(|cell| {
+                if let Ok(mut b) = cell.try_borrow_mut() {
+                    *b = data;
+                }
+            });
+        }
+    }
+}
+
+/// One row of x (`row`) as bf16 components: `hi` at `dst`, and, when `cs > 0`, `mid`
+/// at `dst + cs` and `lo` at `dst + 2·cs`, `ld` elements each (zero past the row).
+/// Returns whether the row has a value that bf16 cannot hold (±inf, NaN, beyond its
+/// range), and whether its `mid` and `lo` have a non-zero element.
+///
+/// # Safety
+/// AVX-512F, AVX512DQ and AVX512-BF16 are available; `dst` (and the other components)
+/// hold `ld ≥ row.len()` elements, a multiple of 16.
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+unsafe fn split_row(row: &[f32], ld: usize, dst: *mut u16, cs: usize) -> (bool, bool, bool) {
+    let n = row.len();
+    let (mut any_mid, mut any_lo) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    let mut nonfinite: __mmask16 = 0;
+    let mut k = 0;
+    while k < ld {
+        let m = super::avx512::tail_mask_full(n.saturating_sub(k));
+        let v = _mm512_maskz_loadu_ps(m, row.as_ptr().add(k));
+        let h = _mm512_cvtneps_pbh(v);
+        let hf = _mm512_cvtpbh_ps(h);
+        // ±inf (0x08, 0x10) or NaN (0x01, 0x80).
+        nonfinite |= _mm512_fpclass_ps_mask::<0x99>(hf);
+        let r1 = _mm512_sub_ps(v, hf);
+        let mi = _mm512_cvtneps_pbh(r1);
+        let lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, _mm512_cvtpbh_ps(mi)));
+        let bits = |v: __m256bh| std::mem::transmute::<__m256bh, __m256i>(v);
+        let (h, mi, lo) = (bits(h), bits(mi), bits(lo));
+        any_mid = _mm256_or_si256(any_mid, mi);
+        any_lo = _mm256_or_si256(any_lo, lo);
+        _mm256_storeu_si256(dst.add(k) as *mut __m256i, h);
+        if cs > 0 {
+            _mm256_storeu_si256(dst.add(cs + k) as *mut __m256i, mi);
+            _mm256_storeu_si256(dst.add(2 * cs + k) as *mut __m256i, lo);
+        }
+        k += 16;
+    }
+    // Bits other than the sign: a component of −0 is zero too.
+    let magnitude = _mm256_set1_epi16(0x7fff);
+    let nonzero = |v: __m256i| _mm256_testz_si256(v, magnitude) == 0;
+    (nonfinite != 0, nonzero(any_mid), nonzero(any_lo))
+}
+
 /// Splits `n` rows of `inp` floats (row stride `ldx`) into [`SplitX`].
 ///
 /// # Safety
@@ -132,46 +196,46 @@ struct SplitX {
 unsafe fn split_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX {
     assert!(n == 0 || xs.len() >= (n - 1) * ldx + inp);
     let ld = e_pad(inp);
-    let cs = n.div_ceil(TM) * TM * ld;
-    // Zeroed, so padding rows and columns are 0.
-    let mut data = AVec::<u16>::new(3 * cs);
+    let n16 = n.div_ceil(TM) * TM;
+    let cs = n16 * ld;
+    let mut data = SPLIT.with(|cell| {
+        cell.try_borrow_mut()
+            .map(|mut b| std::mem::take(&mut *b))
+            .unwrap_or_default()
+    });
+    data.grow(3 * cs);
     let d = data.as_mut_ptr();
-    let (mut any_mid, mut any_lo) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    let (mut any_mid, mut any_lo) = (false, false);
     let mut bad = Vec::new();
+    // Until a row needs `mid` or `lo`, only `hi` is stored (a bf16 layer's input never
+    // needs them); the first row that does zeroes them for the rows before it.
+    let mut full = false;
     for r in 0..n {
-        let row = xs.as_ptr().add(r * ldx);
-        let mut nonfinite: __mmask16 = 0;
-        let mut k = 0;
-        while k < inp {
-            let m = super::avx512::tail_mask_full(inp - k);
-            let v = _mm512_maskz_loadu_ps(m, row.add(k));
-            let h = _mm512_cvtneps_pbh(v);
-            let hf = _mm512_cvtpbh_ps(h);
-            // ±inf (0x08, 0x10) or NaN (0x01, 0x80).
-            nonfinite |= _mm512_fpclass_ps_mask::<0x99>(hf);
-            let r1 = _mm512_sub_ps(v, hf);
-            let mi = _mm512_cvtneps_pbh(r1);
-            let lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, _mm512_cvtpbh_ps(mi)));
-            let bits = |v: __m256bh| std::mem::transmute::<__m256bh, __m256i>(v);
-            let (h, mi, lo) = (bits(h), bits(mi), bits(lo));
-            any_mid = _mm256_or_si256(any_mid, mi);
-            any_lo = _mm256_or_si256(any_lo, lo);
-            let at = r * ld + k;
-            _mm256_storeu_si256(d.add(at) as *mut __m256i, h);
-            _mm256_storeu_si256(d.add(cs + at) as *mut __m256i, mi);
-            _mm256_storeu_si256(d.add(2 * cs + at) as *mut __m256i, lo);
-            k += 16;
+        let row = &xs[r * ldx..r * ldx + inp];
+        let at = d.add(r * ld);
+        let parts = if full { cs } else { 0 };
+        let (mut nonfinite, mut mid, mut lo) = split_row(row, ld, at, parts);
+        if !full && (mid || lo) {
+            full = true;
+            for c in 1..3 {
+                std::ptr::write_bytes(d.add(c * cs), 0, r * ld);
+            }
+            (nonfinite, mid, lo) = split_row(row, ld, at, cs);
         }
-        if nonfinite != 0 {
+        if nonfinite {
             bad.push(r);
         }
+        any_mid |= mid;
+        any_lo |= lo;
     }
-    // Bits other than the sign: a component of −0 is zero too.
-    let magnitude = _mm256_set1_epi16(0x7fff);
-    let nonzero = |v: __m256i| _mm256_testz_si256(v, magnitude) == 0;
-    let comps = if nonzero(any_lo) {
+    // Padding rows are zero (the buffer may hold an earlier split) in the components
+    // read.
+    for c in 0..if full { 3 } else { 1 } {
+        std::ptr::write_bytes(d.add(c * cs + n * ld), 0, (n16 - n) * ld);
+    }
+    let comps = if any_lo {
         3
-    } else if nonzero(any_mid) {
+    } else if any_mid {
         2
     } else {
         1
@@ -201,8 +265,12 @@ pub(crate) unsafe fn product(
 ) {
     assert!(y.len() == rows * out && xv.len() == rows * inp);
     assert!(wp.len() == pack_len((out, inp), cw) && bv.is_none_or(|b| b.len() == out));
+    if rows == 0 || out == 0 {
+        return;
+    }
     let nt = par::threads();
     let tiles = rows.div_ceil(TM);
+    let bp = padded_bias(bv, out);
     if tiles < nt {
         return product_by_columns(xv, (wp, cw), bv, (rows, inp, out), y);
     }
@@ -226,7 +294,7 @@ pub(crate) unsafe fn product(
             blocks_into(
                 (xs, &sx),
                 (wp, cw),
-                bv,
+                (bv, bp.as_deref()),
                 (n, inp, out),
                 (0, out.div_ceil(BK)),
                 ys,
@@ -234,6 +302,16 @@ pub(crate) unsafe fn product(
             );
         }
     });
+}
+
+/// The bias with zeros up to whole blocks of [`BK`] outputs, as [`amx::gemm_tiles`]
+/// reads it.
+fn padded_bias(bv: Option<&[f32]>, out: usize) -> Option<AVec<f32>> {
+    bv.map(|b| {
+        let mut p = AVec::new(out.div_ceil(BK) * BK);
+        p[..out].copy_from_slice(&b[..out]);
+        p
+    })
 }
 
 /// [`product`] for fewer 16-row tiles than threads: x is split once, and the threads
@@ -249,6 +327,7 @@ unsafe fn product_by_columns(
     y: &mut [MaybeUninit<f32>],
 ) {
     let sx = split_rows(xv, inp, rows, inp);
+    let bp = padded_bias(bv, out);
     let nb = out.div_ceil(BK);
     let parts_n = par::threads().min(nb).max(1);
     let mut parts: Vec<(usize, usize, Vec<MaybeUninit<f32>>)> = (0..parts_n)
@@ -263,7 +342,17 @@ unsafe fn product_by_columns(
         let cols = buf.len() / rows;
         // SAFETY: the caller's guarantees; `buf` holds `rows` rows of the `cols`
         // outputs of blocks `j0..j1`.
-        unsafe { blocks_into((xv, &sx), (wp, cw), bv, (rows, inp, out), (*j0, *j1), buf, cols) };
+        unsafe {
+            blocks_into(
+                (xv, &sx),
+                (wp, cw),
+                (bv, bp.as_deref()),
+                (rows, inp, out),
+                (*j0, *j1),
+                buf,
+                cols,
+            )
+        };
     });
     for (j0, _, buf) in &parts {
         let (o0, cols) = (j0 * BK, buf.len() / rows);
@@ -274,63 +363,64 @@ unsafe fn product_by_columns(
 }
 
 /// Output blocks `j0..j1` ([`BK`] outputs each) of the `rows` rows of `xs` (row-major,
-/// split into `sx`), plus the bias, into `y` (row stride `ldy`; block `j0` at column
-/// 0), all written. Rows in `sx.bad` are recomputed by [`dot_row`].
+/// split into `sx`), plus the bias (`bp`: padded with zeros to whole blocks), into `y`
+/// (row stride `ldy`; block `j0` at column 0), all written. Whole tiles are stored in
+/// place; the last row tile and a partial last panel go through a scratch tile. Rows in
+/// `sx.bad` are recomputed by [`dot_row`].
 ///
 /// # Safety
 /// As for [`product`]; `y` holds `rows` rows of stride `ldy ≥ (j1 − j0)·BK` clipped to
 /// `out`.
+#[allow(clippy::too_many_arguments)]
 unsafe fn blocks_into(
     (xs, sx): (&[f32], &SplitX),
     (wp, cw): (&[u16], usize),
-    bv: Option<&[f32]>,
+    (bv, bp): (Option<&[f32]>, Option<&[f32]>),
     (rows, inp, out): (usize, usize, usize),
     (j0, j1): (usize, usize),
     y: &mut [MaybeUninit<f32>],
     ldy: usize,
 ) {
     let klen = k_len(inp, cw);
+    let kt = e_pad(inp) / TK;
     let tiles = rows.div_ceil(TM);
-    let terms = terms(sx.comps, cw);
-    let kcs = klen / cw;
+    assert!(y.len() >= (rows - 1) * ldy + ((j1 * BK).min(out) - j0 * BK));
+    assert!(bp.is_none_or(|b| b.len() >= j1 * BK));
     let mut scratch = AVec::<f32>::new(2 * TM * SLD);
+    let yp = y.as_mut_ptr() as *mut f32;
     amx::configure();
     for j in j0..j1 {
         let o0 = j * BK;
         let nout = BK.min(out - o0);
+        let np = nout.div_ceil(NR);
         let kb = wp[j * klen..(j + 1) * klen].as_ptr();
-        let mut rt = 0;
-        while rt < tiles {
-            let rtiles = 2.min(tiles - rt);
-            amx::qk(
-                sx.data.as_ptr().add(rt * TM * sx.ld),
-                sx.cs,
-                (rtiles, sx.ld),
-                inp,
-                (kb, nout.div_ceil(NR)),
-                kcs,
-                terms,
-                scratch.as_mut_ptr(),
-                SLD,
-            );
-            for r in rt * TM..((rt + rtiles) * TM).min(rows) {
-                let src = &scratch[(r - rt * TM) * SLD..][..nout];
-                let dst = &mut y[r * ldy + o0 - j0 * BK..][..nout];
-                match bv {
-                    Some(b) => {
-                        let b = &b[o0..o0 + nout];
-                        for ((d, &s), &b) in dst.iter_mut().zip(src).zip(b) {
-                            d.write(s + b);
-                        }
-                    }
-                    None => {
-                        for (d, &s) in dst.iter_mut().zip(src) {
-                            d.write(s);
-                        }
-                    }
+        let mut tile = |rt: usize, p: usize| {
+            let (rtiles, panels) = (2.min(tiles - rt), 2.min(np - p));
+            let (r0, c0) = (rt * TM, p * NR);
+            let (nr, nc) = ((rows - r0).min(rtiles * TM), (nout - c0).min(panels * NR));
+            let init = bp.map_or(std::ptr::null(), |b| b[o0 + c0..].as_ptr());
+            let x = (sx.data.as_ptr().add(r0 * sx.ld), sx.cs, sx.ld, sx.comps);
+            let w = (kb.add(p * kt * TILE), klen / cw, cw);
+            let at = r0 * ldy + o0 - j0 * BK + c0;
+            if nr == rtiles * TM && nc == panels * NR {
+                amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (yp.add(at), ldy));
+            } else {
+                amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (scratch.as_mut_ptr(), SLD));
+                for r in 0..nr {
+                    std::ptr::copy_nonoverlapping(scratch.as_ptr().add(r * SLD), yp.add(at + r * ldy), nc);
                 }
             }
-            rt += rtiles;
+        };
+        // Each pair of row tiles takes the block's panel pairs in turn, so that its x
+        // tiles are read again from L1.
+        let mut rt = 0;
+        while rt < tiles {
+            let mut p = 0;
+            while p < np {
+                tile(rt, p);
+                p += 2;
+            }
+            rt += 2;
         }
     }
     amx::release();
@@ -498,7 +588,7 @@ mod more_tests {
                         blocks_into(
                             (&xv, sx),
                             (&wp, cw),
-                            Some(&b),
+                            (Some(&b), padded_bias(Some(&b), out).as_deref()),
                             (rows, inp, out),
                             blocks,
                             &mut y,
@@ -511,6 +601,9 @@ mod more_tests {
                         .collect::<Vec<_>>()
                 };
                 let skipped = run(&sx);
+                // Components the split did not need hold no values: zero them.
+                let cs = sx.cs;
+                sx.data[cs * comps..3 * cs].fill(0);
                 sx.comps = 3;
                 assert_eq!(skipped, run(&sx), "weight {wdt:?}, x {xdt:?}");
             }

@@ -382,7 +382,7 @@ fn cache_budget() -> usize {
 static CACHED_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 /// A weight `(out, in)` packed once, for layers that apply the same weight many times
-/// ([`crate::Proj`]): into f32 16-output panels `[out / 16][in][16]`, or, for f16/bf16
+/// ([`crate::Proj`]): into f32 16-output panels `[out / 16][in][16]`, or, for bf16
 /// weights where the AMX tile unit runs their products ([`tiles_comps`]), into its
 /// VNNI blocks (`amx_linear::pack`). It counts against a process-wide budget
 /// ([`cache_budget`]) until dropped.
@@ -458,10 +458,10 @@ impl Panels {
 }
 
 /// The bf16 components of a weight of `dtype` when its products run on the AMX tile
-/// unit (`amx_linear`): f16 and bf16 weights where the tile unit is enabled
-/// (`amx_enabled`; read per call); `None` otherwise.
+/// unit (`amx_linear::runs`: bf16 weights where the tile unit is enabled; read per
+/// call); `None` otherwise.
 fn tiles_comps(dtype: DType) -> Option<usize> {
-    amx_linear::weight_comps(dtype).filter(|_| amx_linear::enabled())
+    amx_linear::weight_comps(dtype).filter(|_| amx_linear::runs(dtype))
 }
 
 /// Adds `bytes` to `held` if the sum stays within `budget`; whether it did.
@@ -1023,13 +1023,14 @@ mod tests {
         assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before + bytes);
         drop(p);
         assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before);
-        // Where the tile unit runs f16/bf16 products, their weights are kept as its VNNI
-        // blocks (64 outputs × 32 inputs × 2 bytes per component); a weight with an
-        // infinity, and every weight elsewhere, as f32 panels.
+        // Where the tile unit runs bf16 products, their weights are kept as its VNNI
+        // blocks (64 outputs × 32 inputs × 2 bytes); a weight with an infinity, f16
+        // weights, and every weight elsewhere, as f32 panels.
         for (dt, comps) in [(DType::BF16, 1), (DType::F16, 2)] {
             let w = w.to_dtype(dt)?;
             let p = PackedWeight::cached(&w)?.expect("fits");
-            let tiles = tiles_comps(dt).is_some();
+            let tiles = amx_linear::enabled() && dt == DType::BF16;
+            assert_eq!(tiles_comps(dt).is_some(), tiles, "{dt:?}");
             assert_eq!(matches!(p.panels, Panels::Tiles(..)), tiles, "{dt:?}");
             let want = if tiles { 64 * 32 * 2 * comps } else { bytes };
             assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before + want, "{dt:?}");
