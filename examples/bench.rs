@@ -125,7 +125,7 @@ const CASES: &[Case] = &[
     Case { name: "decode_b4", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
     Case { name: "decode_gqa_cache", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: true, extra: Extra::None },
     Case { name: "decode_b4_cache", b: 4, hq: 32, hkv: 32, l: 1, s: 2048, d: 128, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: true, extra: Extra::None },
-    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, bottom_right: false, pad: false, dtypes: F32, candle: true, cache: false, extra: Extra::None },
+    Case { name: "mha_layer", b: 8, hq: 12, hkv: 12, l: 128, s: 128, d: 64, causal: false, bottom_right: false, pad: false, dtypes: ALL, candle: true, cache: false, extra: Extra::None },
     Case { name: "decode_layer_sliding", b: 1, hq: 32, hkv: 8, l: 1, s: 4096, d: 128, causal: true, bottom_right: false, pad: false, dtypes: F32_BF16, candle: true, cache: true, extra: Extra::None },
     Case { name: "gemma2_softcap", b: 1, hq: 16, hkv: 8, l: 1024, s: 1024, d: 256, causal: true, bottom_right: false, pad: false, dtypes: F32_BF16, candle: true, cache: false, extra: Extra::Softcap(50.0) },
     Case { name: "gptoss_sinks", b: 1, hq: 64, hkv: 8, l: 1024, s: 1024, d: 64, causal: true, bottom_right: false, pad: false, dtypes: F32_BF16, candle: true, cache: false, extra: Extra::Sinks },

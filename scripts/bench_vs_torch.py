@@ -72,7 +72,7 @@ CASES = {
     "decode_b4": (4, 32, 32, 1, 2048, 128, False, False, ALL),
     "decode_gqa_cache": (1, 32, 8, 1, 4096, 128, False, False, ALL),
     "decode_b4_cache": (4, 32, 32, 1, 2048, 128, False, False, ALL),
-    "mha_layer": (8, 12, 12, 128, 128, 64, False, False, ["f32"]),
+    "mha_layer": (8, 12, 12, 128, 128, 64, False, False, ["f32", "bf16", "f16"]),
     "gemma2_softcap": (1, 16, 8, 1024, 1024, 256, True, False, ["f32", "bf16"]),
     "gptoss_sinks": (1, 64, 8, 1024, 1024, 64, True, False, ["f32", "bf16"]),
 }

@@ -403,6 +403,17 @@ unsafe fn blocks_into(
             let w = (kb.add(p * kt * TILE), klen / cw, cw);
             let at = r0 * ldy + o0 - j0 * BK + c0;
             if nr == rtiles * TM && nc == panels * NR {
+                // Ask for the output's lines for writing (`prefetchw`) before the
+                // products, so that the tile stores do not wait for them. In one process,
+                // alternating, two readings of five products (kernel notes): −11.5% to
+                // +2.3%, eight of the ten faster.
+                for r in 0..rtiles * TM {
+                    let line = yp.add(at + r * ldy) as *const i8;
+                    _mm_prefetch::<_MM_HINT_ET0>(line);
+                    if panels == 2 {
+                        _mm_prefetch::<_MM_HINT_ET0>(line.add(64));
+                    }
+                }
                 amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (yp.add(at), ldy));
             } else {
                 amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (scratch.as_mut_ptr(), SLD));
