@@ -13,7 +13,10 @@ use crate::sdpa::compute_dtype;
 /// On an x86-64 CPU with AVX-512 or AVX2+FMA, f32 products run on this crate's kernel, and from its second
 /// call on a `Proj` keeps its weight packed for it (`4 · out · in` bytes, shared by
 /// clones) while all kept packs fit `CANDLE_ATTENTION_PACK_CACHE_MB` (256 MiB by default;
-/// 0 keeps none). Products of fewer rows than the kernel's register tile (14 rows with
+/// 0 keeps none). On a CPU with AMX, a bf16 weight's products run on the tile unit
+/// instead, against a pack of `2 · out · in` bytes: x is split into bf16 parts that sum
+/// to it exactly, so every product is exact and only the f32 sums round, as in the f32
+/// product (in another order; `CANDLE_ATTENTION_AMX=0` turns this off). Products of fewer rows than the kernel's register tile (14 rows with
 /// AVX-512, 6 with AVX2), such as decode steps, make the pack on their first call and
 /// run against it, with the threads splitting the output columns, or, with no room in
 /// the pack cache, by dot products against the weight read in place; a single row
@@ -81,11 +84,14 @@ impl Proj {
     /// `x · Wᵀ + b` for `x (rows, in)` and `b (out)` in the accumulation dtype `cd`: for
     /// f32 `x` on a CPU with AVX-512 or AVX2+FMA, the fused kernel's register-tiled product
     /// (`kernels::cpu`) against the weight packed into f32 panels (an f16/bf16 weight is
-    /// converted there); everywhere else candle's `matmul` on the weight converted to `cd`.
-    /// `tests/proj.rs` checks that the two agree.
+    /// converted there), or, for a bf16 weight on a CPU with AMX, the tile unit's product
+    /// against the weight packed as bf16 tiles (`kernels::cpu::amx_linear`); everywhere
+    /// else candle's `matmul` on the weight converted to `cd`. `tests/proj.rs` checks that
+    /// they agree.
     ///
     /// The kernel packs the weight for each product into a per-thread buffer. From the
-    /// second product on, the projection keeps its pack (`4 · out · in` bytes), so later
+    /// second product on, the projection keeps its pack (`4 · out · in` bytes; `2 · out ·
+    /// in` as the tile unit's bf16 pack), so later
     /// calls skip that step (8% of a 1024×768×768 product), as long as all packs kept in
     /// the process fit the budget `CANDLE_ATTENTION_PACK_CACHE_MB` (256 MiB by default;
     /// 0 keeps none). A weight used once with a register tile of rows or more is never

@@ -148,9 +148,11 @@ impl Drop for SplitX {
 }
 
 /// One row of x (`row`) as bf16 components: `hi` at `dst`, and, when `cs > 0`, `mid`
-/// at `dst + cs` and `lo` at `dst + 2·cs`, `ld` elements each (zero past the row).
-/// Returns whether the row has a value that bf16 cannot hold (±inf, NaN, beyond its
-/// range), and whether its `mid` and `lo` have a non-zero element.
+/// at `dst + cs` and `lo` at `dst + 2·cs`, `ld` elements each (zero past the row; `mid`
+/// and `lo` also zero where `hi` is not finite). Returns whether the row has a value that
+/// bf16 cannot hold (±inf, NaN, beyond its range), and whether its finite values need
+/// `mid` and `lo`: with `cs == 0` both say whether any finite value differs from its
+/// `hi` (then `mid` or `lo` is non-zero but for values below bf16's normal range).
 ///
 /// # Safety
 /// AVX-512F, AVX512DQ and AVX512-BF16 are available; `dst` (and the other components)
@@ -159,28 +161,40 @@ impl Drop for SplitX {
 unsafe fn split_row(row: &[f32], ld: usize, dst: *mut u16, cs: usize) -> (bool, bool, bool) {
     let n = row.len();
     let (mut any_mid, mut any_lo) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-    let mut nonfinite: __mmask16 = 0;
+    let (mut nonfinite, mut rest): (__mmask16, __mmask16) = (0, 0);
+    let bits = |v: __m256bh| std::mem::transmute::<__m256bh, __m256i>(v);
     let mut k = 0;
     while k < ld {
-        let m = super::avx512::tail_mask_full(n.saturating_sub(k));
-        let v = _mm512_maskz_loadu_ps(m, row.as_ptr().add(k));
+        let v = if k + 16 <= n {
+            _mm512_loadu_ps(row.as_ptr().add(k))
+        } else {
+            _mm512_maskz_loadu_ps(
+                super::avx512::tail_mask_full(n.saturating_sub(k)),
+                row.as_ptr().add(k),
+            )
+        };
         let h = _mm512_cvtneps_pbh(v);
         let hf = _mm512_cvtpbh_ps(h);
         // ±inf (0x08, 0x10) or NaN (0x01, 0x80).
-        nonfinite |= _mm512_fpclass_ps_mask::<0x99>(hf);
-        let r1 = _mm512_sub_ps(v, hf);
-        let mi = _mm512_cvtneps_pbh(r1);
-        let lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, _mm512_cvtpbh_ps(mi)));
-        let bits = |v: __m256bh| std::mem::transmute::<__m256bh, __m256i>(v);
-        let (h, mi, lo) = (bits(h), bits(mi), bits(lo));
-        any_mid = _mm256_or_si256(any_mid, mi);
-        any_lo = _mm256_or_si256(any_lo, lo);
-        _mm256_storeu_si256(dst.add(k) as *mut __m256i, h);
-        if cs > 0 {
+        let nf = _mm512_fpclass_ps_mask::<0x99>(hf);
+        nonfinite |= nf;
+        _mm256_storeu_si256(dst.add(k) as *mut __m256i, bits(h));
+        if cs == 0 {
+            rest |= _mm512_mask_cmp_ps_mask::<_CMP_NEQ_UQ>(!nf, v, hf);
+        } else {
+            let r1 = _mm512_maskz_sub_ps(!nf, v, hf);
+            let mi = _mm512_cvtneps_pbh(r1);
+            let lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, _mm512_cvtpbh_ps(mi)));
+            let (mi, lo) = (bits(mi), bits(lo));
+            any_mid = _mm256_or_si256(any_mid, mi);
+            any_lo = _mm256_or_si256(any_lo, lo);
             _mm256_storeu_si256(dst.add(cs + k) as *mut __m256i, mi);
             _mm256_storeu_si256(dst.add(2 * cs + k) as *mut __m256i, lo);
         }
         k += 16;
+    }
+    if cs == 0 {
+        return (nonfinite != 0, rest != 0, rest != 0);
     }
     // Bits other than the sign: a component of −0 is zero too.
     let magnitude = _mm256_set1_epi16(0x7fff);
@@ -671,6 +685,38 @@ mod more_tests {
             }
         }
         Ok(())
+    }
+
+    /// ±inf, NaN and values beyond bf16's range in x (recomputed by f32 dot products)
+    /// do not count towards the components: bf16 values with them still split into one.
+    #[test]
+    fn non_finite_values_leave_one_component_for_bf16_values() {
+        if !enabled() {
+            eprintln!("no AMX tile unit here: nothing to check");
+            return;
+        }
+        let (rows, inp) = (20, 40);
+        let mut xv: Vec<f32> = (0..rows * inp)
+            .map(|i| half::bf16::from_f32(i as f32 * 0.37 - 9.0).to_f32())
+            .collect();
+        for (at, v) in [
+            (3, f32::INFINITY),
+            (41, f32::NEG_INFINITY),
+            (200, f32::NAN),
+            (799, 3.4e38),
+        ] {
+            xv[at] = v;
+        }
+        // SAFETY: `enabled` returned true.
+        let sx = unsafe { split_rows(&xv, inp, rows, inp) };
+        assert_eq!((sx.comps, &sx.bad[..]), (1, &[0, 1, 5, 19][..]));
+        // 1 + 2⁻²³ is `1 + 2⁻²³` (two components); 1 + 2⁻⁹ + 2⁻²³ is `1 + 2⁻⁹ + 2⁻²³` (three).
+        for (bits, comps) in [(0x3f80_0001, 2), (0x3f80_4001, 3)] {
+            xv[555] = f32::from_bits(bits);
+            // SAFETY: as above.
+            let sx = unsafe { split_rows(&xv, inp, rows, inp) };
+            assert_eq!((sx.comps, &sx.bad[..]), (comps, &[0, 1, 5, 19][..]));
+        }
     }
 
     /// A weight with ±inf or NaN is refused (`pack` returns false), in bf16 and f16.

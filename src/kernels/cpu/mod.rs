@@ -41,6 +41,10 @@
 //!   with lazy rescaling and lane-wise row sums (`avx512::softmax_row_bf16`).
 //! * bf16 without AMX, on a CPU with AVX512-BF16 (AMD Zen 4): the same path, operands
 //!   and packs, with the two block products on `VDPBF16PS` register tiles (`dpbf16`).
+//! * Projections (`linear`) with bf16 weights on a CPU with AMX: their products on the
+//!   tile unit too (`amx_linear`, `amx::gemm_tiles`), the weight packed as the K blocks
+//!   are and x split into exact bf16 parts, so every product is exact and the sums are
+//!   f32 ones. Other weights (f32, f16) run the f32 register-tiled product.
 //! * Attention sinks (one logit per query head, [`Extras::sinks`]) enter each row's
 //!   softmax sum once, `2^(sink − m)` against the row's reference max `m`, when the row
 //!   is normalised (`driver::block::finish`) or after the split-K merge (`driver::block::merge`).
@@ -401,9 +405,10 @@ fn sdpa_impl(
     }
 }
 
-/// Whether the AMX tile unit can run bf16/f16 inputs here: AMX is available, the
-/// instruction set is AVX-512 (the softmax and conversions use it) and
-/// `CANDLE_ATTENTION_AMX=0` is not set (read per call).
+/// Whether the AMX tile unit can run bf16/f16 inputs here (and the products of
+/// projections with bf16 weights): AMX is available, the instruction set is AVX-512 (the
+/// softmax and conversions use it) and `CANDLE_ATTENTION_AMX=0` is not set (read per
+/// call).
 pub fn amx_enabled() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
