@@ -288,18 +288,7 @@ pub(crate) unsafe fn product(
     if tiles < nt {
         return product_by_columns(xv, (wp, cw), bv, (rows, inp, out), y);
     }
-    let nblk = rows.div_ceil(ROWS).div_ceil(nt) * nt;
-    let mut blocks = Vec::with_capacity(nblk);
-    let mut rest = y;
-    for i in 0..nblk {
-        let r0 = (i * tiles / nblk * TM).min(rows);
-        let r1 = ((i + 1) * tiles / nblk * TM).min(rows);
-        let (head, tail) = std::mem::take(&mut rest).split_at_mut((r1 - r0) * out);
-        blocks.push((r0, head));
-        rest = tail;
-    }
-    blocks.retain(|(_, ys)| !ys.is_empty());
-    par::vec_for_each(blocks, |(r0, ys)| {
+    par::vec_for_each(par::row_blocks(y, (rows, out), TM, ROWS), |(r0, ys)| {
         let n = ys.len() / out;
         // SAFETY: the caller's guarantees; `ys` holds rows `r0..r0 + n` of `y`.
         unsafe {
@@ -489,20 +478,28 @@ mod tests {
     use super::*;
     use candle::{Device, Tensor};
 
-    /// `w (out, in)` of `dtype` packed here, or `None` without the tile unit.
-    fn packed(w: &Tensor) -> Option<(AVec<u16>, usize)> {
-        let cw = weight_comps(w.dtype())?;
-        let (out, inp) = w.dims2().ok()?;
+    /// `w (out, in)` (bf16 or f16) packed here: the pack, its components, and whether
+    /// `pack` found every weight finite. Callers check [`enabled`] first.
+    fn pack_tensor(w: &Tensor) -> (AVec<u16>, usize, bool) {
+        let cw = weight_comps(w.dtype()).expect("a bf16 or f16 weight");
+        let (out, inp) = w.dims2().expect("a weight (out, in)");
         let (g, l) = w.storage_and_layout();
         let wd = match &*g {
             candle::Storage::Cpu(candle::CpuStorage::BF16(v)) => Data::BF16(&v[l.start_offset()..]),
             candle::Storage::Cpu(candle::CpuStorage::F16(v)) => Data::F16(&v[l.start_offset()..]),
-            _ => return None,
+            _ => unreachable!("a bf16 or f16 CPU tensor"),
         };
         let mut wp = AVec::<u16>::new(pack_len((out, inp), cw));
-        // SAFETY: `enabled` was checked by the callers.
-        assert!(unsafe { pack(wd, (out, inp), cw, &mut wp) });
-        Some((wp, cw))
+        // SAFETY: the callers checked `enabled`.
+        let finite = unsafe { pack(wd, (out, inp), cw, &mut wp) };
+        (wp, cw, finite)
+    }
+
+    /// [`pack_tensor`] of a weight with finite values.
+    fn packed(w: &Tensor) -> (AVec<u16>, usize) {
+        let (wp, cw, finite) = pack_tensor(w);
+        assert!(finite);
+        (wp, cw)
     }
 
     fn run(x: &[f32], w: &(AVec<u16>, usize), b: Option<&[f32]>, dims: (usize, usize, usize)) -> Vec<f32> {
@@ -536,7 +533,7 @@ mod tests {
         ] {
             for wdt in [DType::BF16, DType::F16] {
                 let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?.to_dtype(wdt)?;
-                let pw = packed(&w).expect("bf16/f16");
+                let pw = packed(&w);
                 let wv = w.to_dtype(DType::F32)?.to_vec2::<f32>()?;
                 let b: Vec<f32> = (0..out).map(|o| o as f32 * 0.25 - 3.0).collect();
                 for xdt in [DType::BF16, DType::F16, DType::F32] {
@@ -566,12 +563,6 @@ mod tests {
         assert_eq!(checked, 72);
         Ok(())
     }
-}
-
-#[cfg(test)]
-mod more_tests {
-    use super::*;
-    use candle::{Device, Tensor};
 
     /// Rows of x that are exactly bf16 values split into one component, f16 values into
     /// two, other f32 values into three; and multiplying the zero components too (all
@@ -586,16 +577,7 @@ mod more_tests {
         let (rows, inp, out) = (37, 200, 70);
         for wdt in [DType::BF16, DType::F16] {
             let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?.to_dtype(wdt)?;
-            let (g, l) = w.storage_and_layout();
-            let wd = match &*g {
-                candle::Storage::Cpu(candle::CpuStorage::BF16(v)) => Data::BF16(&v[l.start_offset()..]),
-                candle::Storage::Cpu(candle::CpuStorage::F16(v)) => Data::F16(&v[l.start_offset()..]),
-                _ => unreachable!("a bf16 or f16 tensor"),
-            };
-            let cw = weight_comps(wdt).expect("bf16/f16");
-            let mut wp = AVec::<u16>::new(pack_len((out, inp), cw));
-            // SAFETY: `enabled` returned true.
-            assert!(unsafe { pack(wd, (out, inp), cw, &mut wp) });
+            let (wp, cw) = packed(&w);
             let b: Vec<f32> = (0..out).map(|o| o as f32 - 30.0).collect();
             for (xdt, comps) in [(DType::BF16, 1), (DType::F16, 2), (DType::F32, 3)] {
                 let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?
@@ -649,13 +631,7 @@ mod more_tests {
         let (inp, out) = (96, 80);
         let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / 20.0)?.to_dtype(DType::BF16)?;
         let wv = w.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let (g, l) = w.storage_and_layout();
-        let candle::Storage::Cpu(candle::CpuStorage::BF16(v)) = &*g else {
-            unreachable!("a bf16 tensor")
-        };
-        let mut wp = AVec::<u16>::new(pack_len((out, inp), 1));
-        // SAFETY: `enabled` returned true.
-        assert!(unsafe { pack(Data::BF16(&v[l.start_offset()..]), (out, inp), 1, &mut wp) });
+        let (wp, _) = packed(&w);
         for rows in [3, 40] {
             let mut xv = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?
                 .flatten_all()?
@@ -740,16 +716,7 @@ mod more_tests {
                     .to_vec1::<f32>()?;
                 wv[at] = bad;
                 let w = Tensor::from_vec(wv, (out, inp), &dev)?.to_dtype(wdt)?;
-                let (g, l) = w.storage_and_layout();
-                let wd = match &*g {
-                    candle::Storage::Cpu(candle::CpuStorage::BF16(v)) => Data::BF16(&v[l.start_offset()..]),
-                    candle::Storage::Cpu(candle::CpuStorage::F16(v)) => Data::F16(&v[l.start_offset()..]),
-                    _ => unreachable!("a bf16 or f16 tensor"),
-                };
-                let cw = weight_comps(wdt).expect("bf16/f16");
-                let mut wp = AVec::<u16>::new(pack_len((out, inp), cw));
-                // SAFETY: `enabled` returned true.
-                let finite = unsafe { pack(wd, (out, inp), cw, &mut wp) };
+                let (_, _, finite) = pack_tensor(&w);
                 assert_eq!(finite, bad.is_finite(), "{wdt:?} {bad} at {at}");
             }
         }

@@ -603,23 +603,7 @@ fn product_on(
     if rows.div_ceil(tile) < par::threads() {
         return product_by_columns(xv, wp, bv, (rows, inp, out), y, isa);
     }
-    // Row blocks of about `ROWS` rows, as many as a multiple of the thread count, with
-    // whole register tiles split evenly (block sizes differ by at most one tile), so the
-    // threads get equal work.
-    let nt = par::threads();
-    let tiles = rows.div_ceil(tile);
-    let nblk = rows.div_ceil(ROWS).div_ceil(nt) * nt;
-    let mut blocks = Vec::with_capacity(nblk);
-    let mut rest = y;
-    for i in 0..nblk {
-        let r0 = (i * tiles / nblk * tile).min(rows);
-        let r1 = ((i + 1) * tiles / nblk * tile).min(rows);
-        let (head, tail) = std::mem::take(&mut rest).split_at_mut((r1 - r0) * out);
-        blocks.push((r0, head));
-        rest = tail;
-    }
-    blocks.retain(|(_, ys)| !ys.is_empty());
-    par::vec_for_each(blocks, |(r0, ys)| {
+    par::vec_for_each(par::row_blocks(y, (rows, out), tile, ROWS), |(r0, ys)| {
         let n = ys.len() / out;
         let yp = ys.as_mut_ptr() as *mut f32;
         with_x_rows(&xv[r0 * inp..(r0 + n) * inp], n, inp, |xs, ldx| {

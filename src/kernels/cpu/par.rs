@@ -201,6 +201,34 @@ pub(crate) fn chunks_for_each<T: Send, S>(
     });
 }
 
+/// The `rows · out` elements of `y` (row-major) cut into row blocks of about `block`
+/// rows, for the threads to write: as many blocks as a multiple of the thread count,
+/// with whole tiles of `tile` rows split evenly (block sizes differ by at most one tile),
+/// so the threads get equal work. Returns each non-empty block with its first row.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // used by the x86-64 products
+pub(crate) fn row_blocks<T>(
+    y: &mut [T],
+    (rows, out): (usize, usize),
+    tile: usize,
+    block: usize,
+) -> Vec<(usize, &mut [T])> {
+    assert_eq!(y.len(), rows * out);
+    let nt = threads();
+    let tiles = rows.div_ceil(tile);
+    let nblk = rows.div_ceil(block).div_ceil(nt) * nt;
+    let mut blocks = Vec::with_capacity(nblk);
+    let mut rest = y;
+    for i in 0..nblk {
+        let r0 = (i * tiles / nblk * tile).min(rows);
+        let r1 = ((i + 1) * tiles / nblk * tile).min(rows);
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut((r1 - r0) * out);
+        blocks.push((r0, head));
+        rest = tail;
+    }
+    blocks.retain(|(_, ys)| !ys.is_empty());
+    blocks
+}
+
 /// Takes the value out of a slot (also after a panic on another thread poisoned it).
 fn take<T>(slot: &Mutex<Option<T>>) -> Option<T> {
     slot.lock().unwrap_or_else(|e| e.into_inner()).take()
