@@ -16,8 +16,8 @@
 //! - The block products are `amx::gemm_tiles`: 2 × 2 tiles of 16 rows by 16 outputs,
 //!   over every pair of components (each W tile loaded once per contraction tile and
 //!   multiplied by each x component), the bias as the accumulators' starting value. Whole
-//!   tiles are stored in place; the last row tile and a partial last panel go through a
-//!   scratch tile.
+//!   tiles are stored in place, after their lines are asked for with `prefetchw`; the
+//!   last row tile and a partial last panel go through a scratch tile.
 //! - Rows of `x` with a value that bf16 cannot hold (±inf, NaN, or beyond bf16's largest
 //!   finite value) would split into `inf + NaN`; they are recomputed by f32 dot products
 //!   against the packed weight, so they give what the f32 product gives (±inf or NaN).
@@ -58,9 +58,10 @@ pub(crate) fn weight_comps(dtype: DType) -> Option<usize> {
 ///
 /// f16 weights keep the f32 product. Their two components make four tile products per
 /// step for an f16 layer's input and six for an f32 input, and whole f16
-/// `MultiheadAttention` layers ran slower on them than on the f32 product on the Intel
-/// VM of 2026-12-06 (in one process, alternating: +1.9% to +15.5% on three shapes, one
-/// reading −12.2%). The packs and products take them all the same (`tests` checks both).
+/// `MultiheadAttention` layers ran no faster on them than on the f32 product on the
+/// Intel VM of 2026-12-06 (in one process, alternating, eight readings on three shapes:
+/// −12.2% to +15.5%, five of them slower). The packs and products take them all the same
+/// (`tests` checks both).
 pub(crate) fn runs(dtype: DType) -> bool {
     dtype == DType::BF16 && enabled()
 }
@@ -205,7 +206,7 @@ unsafe fn split_row(row: &[f32], ld: usize, dst: *mut u16, cs: usize) -> (bool, 
 /// Splits `n` rows of `inp` floats (row stride `ldx`) into [`SplitX`].
 ///
 /// # Safety
-/// AVX-512F and AVX512-BF16 are available.
+/// AVX-512F, AVX512DQ and AVX512-BF16 are available.
 #[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 unsafe fn split_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX {
     assert!(n == 0 || xs.len() >= (n - 1) * ldx + inp);
@@ -282,12 +283,10 @@ pub(crate) unsafe fn product(
     if rows == 0 || out == 0 {
         return;
     }
-    let nt = par::threads();
-    let tiles = rows.div_ceil(TM);
-    let bp = padded_bias(bv, out);
-    if tiles < nt {
+    if rows.div_ceil(TM) < par::threads() {
         return product_by_columns(xv, (wp, cw), bv, (rows, inp, out), y);
     }
+    let bp = padded_bias(bv, out);
     par::vec_for_each(par::row_blocks(y, (rows, out), TM, ROWS), |(r0, ys)| {
         let n = ys.len() / out;
         // SAFETY: the caller's guarantees; `ys` holds rows `r0..r0 + n` of `y`.
@@ -444,7 +443,7 @@ unsafe fn blocks_into(
     }
 }
 
-/// `y[at + o − j0·BK] = b[o] + Σₖ x[k]·W[o][k]` for the outputs `o` of blocks `j0..j1`,
+/// `y[o − j0·BK] = b[o] + Σₖ x[k]·W[o][k]` for the outputs `o` of blocks `j0..j1`,
 /// as f32 dot products in order of the contraction (bias first), with the weight read
 /// back from the pack: for rows of x that the split cannot carry (see the module doc),
 /// so that they give the f32 product's ±inf and NaN.
