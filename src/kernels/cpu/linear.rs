@@ -228,15 +228,8 @@ pub(crate) fn linear_into(
     let wd = weight_data(&wg, wl, w)?;
     if let Some(cw) = tiles_comps(w.dtype()) {
         let done = with_operands(x, (out, inp), w, b, dst, true, |rows, xv, bv, dst| {
-            // The VNNI pack lives in a buffer kept by the calling thread, as the f32
-            // pack below does.
-            PACK_TILES.with(|cell| {
-                let mut guard = cell.try_borrow_mut();
-                let mut fresh = AVec::default();
-                let wp = match guard.as_deref_mut() {
-                    Ok(buf) => buf,
-                    Err(_) => &mut fresh,
-                };
+            // 16 MiB of bf16 kept, as for the f32 pack below.
+            with_kept(&PACK_TILES, 2 * KEEP_FLOATS, |wp| {
                 let len = amx_linear::pack_len((out, inp), cw);
                 wp.grow(len);
                 // SAFETY: `tiles_comps` saw the tile unit enabled.
@@ -244,9 +237,6 @@ pub(crate) fn linear_into(
                 if finite {
                     // SAFETY: the same, and the pack holds finite weights.
                     unsafe { amx_linear::product(xv, (&wp[..len], cw), bv, (rows, inp, out), dst) };
-                }
-                if wp.len() > 2 * KEEP_FLOATS {
-                    *wp = AVec::default();
                 }
                 finite
             })
@@ -257,23 +247,35 @@ pub(crate) fn linear_into(
     }
     let np = out.div_ceil(NR);
     with_operands(x, (out, inp), w, b, dst, true, |rows, xv, bv, dst| {
-        // The W pack lives in a buffer kept by the calling thread between calls: a fresh
-        // multi-MB allocation would page-fault on every call.
-        PACK.with(|cell| {
-            let mut guard = cell.try_borrow_mut();
-            let mut fresh = AVec::default();
-            let wp = match guard.as_deref_mut() {
-                Ok(buf) => buf,
-                Err(_) => &mut fresh,
-            };
+        with_kept(&PACK, KEEP_FLOATS, |wp| {
             wp.grow(np * inp * NR);
             pack_into(wd, (out, inp), &mut wp[..np * inp * NR]);
             product(xv, &wp[..np * inp * NR], bv, (rows, inp, out), dst);
-            // Keep at most `KEEP_FLOATS`, so a large layer's pack is not held.
-            if wp.len() > KEEP_FLOATS {
-                *wp = AVec::default();
-            }
         })
+    })
+}
+
+/// `f(buf)` on this thread's buffer `key`, kept between calls: a fresh multi-MB
+/// allocation would page-fault on every call. A buffer of more than `keep` elements is
+/// dropped afterwards, so a large layer's pack is not held; a call nested inside `f`
+/// (which the products do not make) gets a fresh buffer.
+fn with_kept<T: Copy + Default, R>(
+    key: &'static std::thread::LocalKey<std::cell::RefCell<AVec<T>>>,
+    keep: usize,
+    f: impl FnOnce(&mut AVec<T>) -> R,
+) -> R {
+    key.with(|cell| {
+        let mut guard = cell.try_borrow_mut();
+        let mut fresh = AVec::default();
+        let buf = match guard.as_deref_mut() {
+            Ok(buf) => buf,
+            Err(_) => &mut fresh,
+        };
+        let r = f(buf);
+        if buf.len() > keep {
+            *buf = AVec::default();
+        }
+        r
     })
 }
 
