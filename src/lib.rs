@@ -16,6 +16,7 @@
 extern crate candle_core as candle;
 pub mod alibi;
 pub mod cache;
+mod cast;
 pub mod decoder;
 mod dims;
 mod empty;

@@ -307,7 +307,7 @@ impl AttnMask {
                         .broadcast_as(t.shape())?;
                     t.where_cond(&zero, &ninf)?
                 }
-                Part::Additive(t) => crate::empty::to_dtype(&align_rank(t, scores)?, dtype)?,
+                Part::Additive(t) => crate::cast::to_dtype(&align_rank(t, scores)?, dtype)?,
             };
             acc = Some(match acc {
                 None => t,
@@ -394,5 +394,5 @@ pub(crate) fn causal_additive(
             data[i * s + j as usize] = 0.0;
         }
     }
-    crate::empty::to_dtype(&Tensor::from_vec(data, (l, s), device)?, dtype)
+    crate::cast::to_dtype(&Tensor::from_vec(data, (l, s), device)?, dtype)
 }

@@ -12,10 +12,10 @@ use candle::{IndexOp, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
-use crate::empty;
 use crate::mask::{self, AttnMask, CausalRule};
 use crate::proj::Proj;
 use crate::sdpa::{attention, compute_dtype, Backend, SdpaOptions};
+use crate::{cast, empty};
 
 fn yes() -> bool {
     true
@@ -375,7 +375,7 @@ impl MultiheadAttention {
         };
         if let Some(qkv) = fused {
             if self.per_batch_applies(qkv, &qn, args) {
-                let o = self.per_batch(qkv, &qn, &mask, args)?.to_dtype(dt)?;
+                let o = cast::to_dtype(&self.per_batch(qkv, &qn, &mask, args)?, dt)?;
                 return Ok((self.to_query_layout(o, unbatched)?, None));
             }
         }
@@ -427,7 +427,7 @@ impl MultiheadAttention {
         let att = attention(&q, &k, &v, &opts, true)?;
         // (N, H, L, hd) → (N, L, E) → out_proj.
         let o = att.output.transpose(1, 2)?.reshape((n, l, e))?;
-        let o = empty::to_dtype(&self.out.forward(&o)?, dt)?;
+        let o = cast::to_dtype(&self.out.forward(&o)?, dt)?;
         let o = self.to_query_layout(o, unbatched)?;
         let w = match att.weights {
             None => None,
@@ -437,7 +437,7 @@ impl MultiheadAttention {
                 } else {
                     w
                 };
-                let w = empty::to_dtype(&w, dt)?;
+                let w = cast::to_dtype(&w, dt)?;
                 Some(if unbatched { w.squeeze(0)? } else { w })
             }
         };

@@ -237,7 +237,7 @@ impl MultiHeadAttention {
             Some(wo) => wo.forward(&o)?,
             None => o,
         };
-        o.to_dtype(query.dtype())
+        crate::cast::to_dtype(&o, query.dtype())
     }
 
     fn shape_err(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle::Error {

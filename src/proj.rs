@@ -247,7 +247,7 @@ impl Proj {
         let out_dim = self.weight.dims2()?.0;
         let dims = x.dims();
         let cd = compute_dtype(x.dtype());
-        let x2 = crate::empty::to_dtype(x, cd)?.reshape((rows, in_dim))?;
+        let x2 = crate::cast::to_dtype(x, cd)?.reshape((rows, in_dim))?;
         let bias = self.bias.as_ref().map(|b| b.to_dtype(cd)).transpose()?;
         let y = self.matmul_bias(&x2, bias.as_ref(), cd)?;
         let mut shape = dims.to_vec();

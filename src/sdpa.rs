@@ -17,8 +17,8 @@
 //!   gives the alignment a KV cache needs.
 use candle::{DType, Result, Tensor, D};
 
+use crate::cast;
 use crate::dims::{check_dims, Dims};
-use crate::empty;
 use crate::mask::{add_masks, AttnMask};
 
 /// Which implementation computes the attention.
@@ -306,9 +306,9 @@ fn reference(
     let cd = compute_dtype(dt);
     let g = hq / hkv.max(1);
     // Query heads of one GQA group are adjacent: (N, Hkv, g·L, E) shares each K/V head.
-    let q = empty::to_dtype(q, cd)?.reshape((n, hkv, g * l, e))?;
-    let k = empty::to_dtype(k, cd)?.reshape((n, hkv, s, e))?;
-    let v = empty::to_dtype(v, cd)?.reshape((n, hkv, s, ev))?;
+    let q = cast::to_dtype(q, cd)?.reshape((n, hkv, g * l, e))?;
+    let k = cast::to_dtype(k, cd)?.reshape((n, hkv, s, e))?;
+    let v = cast::to_dtype(v, cd)?.reshape((n, hkv, s, ev))?;
     // With E = 0 every score is the empty sum 0, whatever the scale (the default
     // 1/√0 is infinite): PyTorch, which scales q and k by √scale before their product,
     // then returns the mean of V, and so does the fused kernel.
@@ -337,7 +337,7 @@ fn reference(
         }
     };
     let out = p.contiguous()?.reshape((n, hkv, g * l, s))?.matmul(&v)?;
-    let output = empty::to_dtype(&out.reshape(dims.out_shape(ev))?, dt)?;
+    let output = cast::to_dtype(&out.reshape(dims.out_shape(ev))?, dt)?;
     let weights = if opts.need_weights {
         Some(p.reshape(score_shape)?.to_dtype(dt)?)
     } else {

@@ -21,7 +21,7 @@ use candle_nn::VarBuilder;
 
 use crate::alibi::{alibi_bias, alibi_slopes};
 use crate::cache::KvCache;
-use crate::empty;
+use crate::cast;
 use crate::mask::{AttnMask, CausalAlign};
 use crate::proj::Proj;
 use crate::rope::RotaryEmbedding;
@@ -497,7 +497,7 @@ impl DecoderAttention {
         let o = o
             .transpose(1, 2)?
             .reshape((b, l, self.cfg.num_heads * self.cfg.head_dim))?;
-        self.o.forward(&o)?.to_dtype(x.dtype())
+        cast::to_dtype(&self.o.forward(&o)?, x.dtype())
     }
 }
 
@@ -506,7 +506,7 @@ impl DecoderAttention {
 /// enter attention, and keys and values the cache, in the model's dtype (bf16 K/V take
 /// half the memory and half the bytes per decode step of f32 ones).
 fn in_model_dtype(t: &Tensor, x: &Tensor) -> Result<Tensor> {
-    empty::to_dtype(t, x.dtype())
+    cast::to_dtype(t, x.dtype())
 }
 
 /// RMSNorm over the last dim in the accumulation dtype: `x / rms(x) · w`, where `w` is the

@@ -95,6 +95,7 @@ mod amx_linear;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+pub(crate) mod cast;
 mod causal;
 mod decode;
 #[cfg(target_arch = "x86_64")]

@@ -35,16 +35,19 @@ impl OutElem for f32 {
     }
 }
 
-/// The non-AVX-512 [`OutElem::store`] of the half types: `half`'s slice conversion (SIMD
-/// where the CPU has it, unlike a per-element `from_f32`) through a stack chunk, then
-/// copied into the possibly uninitialised `dst`.
-fn store_converted<T: Copy + Default>(
-    dst: &mut [MaybeUninit<T>],
-    src: &[f32],
-    convert: impl Fn(&mut [T], &[f32]),
+/// `dst[i] = convert(src[i])` through a stack buffer: `convert` fills initialised
+/// chunks of up to 64 elements (`half`'s slice conversions, SIMD where the CPU has it,
+/// unlike a per-element `from_f32`), which are then copied into the possibly
+/// uninitialised `dst` (of `src.len()` elements). The non-AVX-512 [`OutElem::store`] of
+/// the half types, and the portable casts of [`super::cast`].
+pub(crate) fn converted_through_buffer<S, D: Copy + Default>(
+    dst: &mut [MaybeUninit<D>],
+    src: &[S],
+    convert: impl Fn(&mut [D], &[S]),
 ) {
+    assert_eq!(dst.len(), src.len());
     const CHUNK: usize = 64;
-    let mut buf = [T::default(); CHUNK];
+    let mut buf = [D::default(); CHUNK];
     for (d, s) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)) {
         let b = &mut buf[..s.len()];
         convert(b, s);
@@ -69,7 +72,7 @@ impl OutElem for f16 {
             // elements.
             return unsafe { super::avx2::store_f16(dst.as_mut_ptr().cast(), src, 1.0) };
         }
-        store_converted(dst, src, |b, s| b.convert_from_f32_slice(s));
+        converted_through_buffer(dst, src, |b, s| b.convert_from_f32_slice(s));
     }
 
     /// On AVX-512 the scale and the conversion are one pass; the same rounding as
@@ -108,7 +111,7 @@ impl OutElem for bf16 {
             // SAFETY: AVX2 was detected just above; `dst` holds `src.len()` elements.
             return unsafe { super::avx2::store_bf16(dst.as_mut_ptr().cast(), src, 1.0) };
         }
-        store_converted(dst, src, |b, s| b.convert_from_f32_slice(s));
+        converted_through_buffer(dst, src, |b, s| b.convert_from_f32_slice(s));
     }
 
     /// As for f16: one pass on AVX-512 (with AVX512-BF16).
