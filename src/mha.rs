@@ -126,6 +126,10 @@ impl Default for MhaArgs<'_> {
 /// same tensor, as in [`Module::forward`]) runs the three input projections as one
 /// `(N·L, E) · (3E, E)ᵀ` product, as PyTorch does; other calls run three.
 ///
+/// In f16 and bf16, each projection is computed in f32 and rounded to the query's dtype,
+/// as PyTorch's `nn.Linear` returns it: q, k, v and the attention output are f16/bf16
+/// tensors, as in PyTorch's layer. (A layer loaded in f32 keeps them in f32.)
+///
 /// The README's example (a `state_dict` saved with `safetensors.torch.save_file`):
 ///
 /// ```no_run
@@ -363,8 +367,11 @@ impl MultiheadAttention {
             return Ok((o, w));
         }
 
-        // Projections, in the accumulation dtype.
+        // Projections, computed in the accumulation dtype and rounded to the query's dtype,
+        // as PyTorch's `nn.Linear` layers return them: q, k, v and the attention output
+        // of an f16/bf16 layer are f16/bf16.
         let cd = compute_dtype(dt);
+        let proj = |p: &Proj, x: &Tensor| cast::to_dtype(&p.forward(x)?, dt);
         let heads = |t: &Tensor| -> Result<Tensor> {
             let (n, len, _) = t.dims3()?;
             t.reshape((n, len, h, hd))?.transpose(1, 2)
@@ -383,16 +390,16 @@ impl MultiheadAttention {
             // Self-attention: one product with the whole `in_proj_weight`. Its output
             // (N, L, 3E) is viewed as (N, L, 3, H, hd), and q, k and v are strided views
             // (N, H, L, hd) of it, read in place by the kernel.
-            let y = qkv.forward(&qn)?.reshape((n, l, 3, h, hd))?;
+            let y = proj(qkv, &qn)?.reshape((n, l, 3, h, hd))?;
             let part = |i: usize| y.i((.., .., i))?.transpose(1, 2);
             (part(0)?, part(1)?, part(2)?)
         } else {
-            let q = self.q.forward(&qn)?;
-            let mut k = self.k.forward(&kn)?;
-            let mut v = self.v.forward(&vn)?;
+            let q = proj(&self.q, &qn)?;
+            let mut k = proj(&self.k, &kn)?;
+            let mut v = proj(&self.v, &vn)?;
             if let (Some(bk), Some(bv)) = (&self.bias_k, &self.bias_v) {
-                k = Tensor::cat(&[&k, &bk.to_dtype(cd)?.broadcast_as((n, 1, e))?], 1)?;
-                v = Tensor::cat(&[&v, &bv.to_dtype(cd)?.broadcast_as((n, 1, e))?], 1)?;
+                k = Tensor::cat(&[&k, &bk.to_dtype(dt)?.broadcast_as((n, 1, e))?], 1)?;
+                v = Tensor::cat(&[&v, &bv.to_dtype(dt)?.broadcast_as((n, 1, e))?], 1)?;
             }
             (heads(&q)?, heads(&k)?, heads(&v)?)
         };
@@ -427,7 +434,7 @@ impl MultiheadAttention {
         let att = attention(&q, &k, &v, &opts, true)?;
         // (N, H, L, hd) → (N, L, E) → out_proj.
         let o = att.output.transpose(1, 2)?.reshape((n, l, e))?;
-        let o = cast::to_dtype(&self.out.forward(&o)?, dt)?;
+        let o = proj(&self.out, &o)?;
         let o = self.to_query_layout(o, unbatched)?;
         let w = match att.weights {
             None => None,

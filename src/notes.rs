@@ -152,6 +152,9 @@ impl Module for ScaledDotProductAttention {
 ///
 /// Weights: `<names.q>.weight` `(d_model, d_model)` and `<names.q>.bias` `(d_model)`, the
 /// same for `k`, `v`, and `o` when `out_proj`.
+///
+/// In f16 and bf16, each projection is computed in f32 and rounded to the query's dtype,
+/// as PyTorch's `nn.Linear` returns it.
 #[derive(Clone, Debug)]
 pub struct MultiHeadAttention {
     wq: Proj,
@@ -221,9 +224,13 @@ impl MultiHeadAttention {
         }
         let heads =
             |t: Tensor, len: usize| -> Result<Tensor> { t.reshape((b, len, h, d / h))?.transpose(1, 2) };
-        let q = heads(self.wq.forward(query)?, l)?;
-        let k = heads(self.wk.forward(key)?, s)?;
-        let v = heads(self.wv.forward(value)?, s)?;
+        // Each projection computed in the accumulation dtype and rounded to the query's
+        // dtype, as PyTorch's `nn.Linear` returns it.
+        let dt = query.dtype();
+        let proj = |p: &Proj, x: &Tensor| crate::cast::to_dtype(&p.forward(x)?, dt);
+        let q = heads(proj(&self.wq, query)?, l)?;
+        let k = heads(proj(&self.wk, key)?, s)?;
+        let v = heads(proj(&self.wv, value)?, s)?;
         let opts = SdpaOptions {
             mask: mask.cloned(),
             is_causal: self.causal,
@@ -233,11 +240,10 @@ impl MultiHeadAttention {
         // Fused: (B, L, H, d_k) memory, so the transpose and reshape copy nothing.
         let o = attention(&q, &k, &v, &opts, true)?.output;
         let o = o.transpose(1, 2)?.reshape((b, l, d))?;
-        let o = match &self.wo {
-            Some(wo) => wo.forward(&o)?,
-            None => o,
-        };
-        crate::cast::to_dtype(&o, query.dtype())
+        match &self.wo {
+            Some(wo) => proj(wo, &o),
+            None => Ok(o),
+        }
     }
 
     fn shape_err(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle::Error {

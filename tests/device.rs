@@ -7,6 +7,7 @@ mod common;
 use std::collections::HashMap;
 
 use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, QkNorm, QkvLayout};
+use candle_attention::fixture::normalised_error;
 use candle_attention::{
     scaled_dot_product_attention, AttnMask, Backend, KvCache, MhaArgs, MultiheadAttention,
     MultiheadAttentionConfig, RopeConfig, RopeScaling, RopeStyle, RotaryEmbedding, SdpaOptions,
@@ -26,7 +27,8 @@ fn values(shape: &[usize], seed: usize) -> Result<Tensor> {
     Tensor::from_vec(v, shape, &Device::Cpu)
 }
 
-/// `got` (on the device, in `dt`) against `want` (f64 on the CPU).
+/// `got` (on the device, in `dt`) against `want` (f64 on the CPU), by the fixtures' error
+/// (the largest difference over `max(1, max|want|)`), to which `tol` applies.
 fn check(got: &Tensor, want: &Tensor, dt: DType, dev: &Device, tol: f64, what: &str) -> Result<()> {
     assert!(
         got.device().same_device(dev),
@@ -37,8 +39,8 @@ fn check(got: &Tensor, want: &Tensor, dt: DType, dev: &Device, tol: f64, what: &
     assert_eq!(got.dims(), want.dims(), "{what}");
     let got = got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
     if got.elem_count() > 0 {
-        let err = max_diff(&got, want)?;
-        assert!(err <= tol, "{what}: max error {err:.3e} > {tol:.0e}");
+        let err = normalised_error(&got, want)?;
+        assert!(err <= tol, "{what}: error {err:.3e} > {tol:.0e}");
     }
     Ok(())
 }

@@ -3,10 +3,11 @@ mod common;
 use std::collections::HashMap;
 
 use candle_attention::{
-    AttentionConfig, AttnMask, CausalAttention, MhaArgs, MultiHeadAttention, MultiheadAttention,
-    MultiheadAttentionConfig, ProjNames, ScaledDotProductAttention,
+    scaled_dot_product_attention, AttentionConfig, AttnMask, Backend, CausalAttention, MhaArgs,
+    MultiHeadAttention, MultiheadAttention, MultiheadAttentionConfig, Proj, ProjNames,
+    ScaledDotProductAttention, SdpaOptions,
 };
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use common::{all_zero, err_msg, max_diff, randn};
 
@@ -433,5 +434,118 @@ fn notes_modules_attend_over_positions_per_head() -> Result<()> {
         },
     )?;
     assert!(max_diff(&a, &b)? < 1e-5);
+    Ok(())
+}
+
+/// An f16/bf16 `MultiheadAttention`, and the notes' multi-head modules, round q, k, v and
+/// the attention output to their dtype, as PyTorch's `nn.Linear` layers return them: the
+/// output equals that pipeline built from the crate's pieces bit for bit (the reference
+/// SDPA on both sides), and differs from the same pipeline kept in f32 until the end.
+#[test]
+fn half_precision_layers_round_each_projection_to_their_dtype() -> Result<()> {
+    let (e, h, n, l) = (64, 4, 2, 40);
+    let x32 = randn(&[n, l, e])?;
+    let reference = SdpaOptions {
+        backend: Backend::Reference,
+        ..SdpaOptions::default()
+    };
+    // Heads of `(N, L, E)`, the attention, and its output `(N, L, E)`.
+    let attend = |q: &Tensor, k: &Tensor, v: &Tensor, causal: bool| -> Result<Tensor> {
+        let heads = |t: &Tensor| t.reshape((n, l, h, e / h))?.transpose(1, 2);
+        let opts = SdpaOptions {
+            is_causal: causal,
+            ..reference.clone()
+        };
+        let o = scaled_dot_product_attention(&heads(q)?, &heads(k)?, &heads(v)?, &opts)?.output;
+        o.transpose(1, 2)?.reshape((n, l, e))
+    };
+    for dt in [DType::BF16, DType::F16] {
+        let x = x32.to_dtype(dt)?;
+        let round = |t: Tensor, yes: bool| if yes { t.to_dtype(dt) } else { Ok(t) };
+        let load = |p: Vec<(&str, Tensor)>| -> Result<VarBuilder<'static>> {
+            let map: HashMap<String, Tensor> = p
+                .into_iter()
+                .map(|(k, v)| Ok((k.to_string(), v.to_dtype(dt)?)))
+                .collect::<Result<_>>()?;
+            Ok(VarBuilder::from_tensors(map, dt, &Device::Cpu))
+        };
+
+        let p = mha_params(e)?;
+        let get = |k: &str| {
+            p.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, t)| t.to_dtype(dt))
+                .unwrap()
+        };
+        let cfg = MultiheadAttentionConfig {
+            batch_first: true,
+            ..MultiheadAttentionConfig::new(e, h)
+        };
+        let mha = MultiheadAttention::new(&cfg, load(p.clone())?)?;
+        let a = MhaArgs {
+            backend: Backend::Reference,
+            ..args()
+        };
+        let (got, _) = mha.forward_with(&x, &x, &x, &a)?;
+        let (inp, out) = (
+            Proj::new(get("in_proj_weight")?, Some(get("in_proj_bias")?)),
+            Proj::new(get("out_proj.weight")?, Some(get("out_proj.bias")?)),
+        );
+        let by_hand = |rounded: bool| -> Result<Tensor> {
+            let y = round(inp.forward(&x)?, rounded)?;
+            let o = attend(
+                &y.i((.., .., 0..e))?,
+                &y.i((.., .., e..2 * e))?,
+                &y.i((.., .., 2 * e..))?,
+                false,
+            )?;
+            out.forward(&round(o, rounded)?)?.to_dtype(dt)
+        };
+        assert_eq!(max_diff(&got, &by_hand(true)?)?, 0.0, "{dt:?} MultiheadAttention");
+        assert!(
+            max_diff(&got, &by_hand(false)?)? > 0.0,
+            "{dt:?}: f32 intermediates give the same bits"
+        );
+
+        let names = ProjNames::hf();
+        let p = notes_params(&names, e)?;
+        let get = |k: &str| {
+            p.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, t)| t.to_dtype(dt))
+                .unwrap()
+        };
+        let proj = |r: &str| -> Result<Proj> {
+            Ok(Proj::new(
+                get(&format!("{r}.weight"))?,
+                Some(get(&format!("{r}.bias"))?),
+            ))
+        };
+        let (wq, wk, wv, wo) = (proj("q_proj")?, proj("k_proj")?, proj("v_proj")?, proj("o_proj")?);
+        let ncfg = AttentionConfig {
+            names,
+            ..AttentionConfig::new(e, h)
+        };
+        let notes = MultiHeadAttention::new(&ncfg, load(p.clone())?)?.with_backend(Backend::Reference);
+        let causal = CausalAttention::new(&ncfg, load(p.clone())?)?.with_backend(Backend::Reference);
+        for (module, is_causal) in [(&notes as &dyn Module, false), (&causal, true)] {
+            let by_hand = |rounded: bool| -> Result<Tensor> {
+                let qkv = [&wq, &wk, &wv].map(|w| round(w.forward(&x)?, rounded));
+                let [q, k, v] = qkv;
+                let o = attend(&q?, &k?, &v?, is_causal)?;
+                wo.forward(&round(o, rounded)?)?.to_dtype(dt)
+            };
+            let got = module.forward(&x)?;
+            assert_eq!(
+                max_diff(&got, &by_hand(true)?)?,
+                0.0,
+                "{dt:?} notes, causal {is_causal}"
+            );
+            assert!(
+                max_diff(&got, &by_hand(false)?)? > 0.0,
+                "{dt:?} notes, causal {is_causal}"
+            );
+        }
+    }
     Ok(())
 }
