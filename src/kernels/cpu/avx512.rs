@@ -2082,7 +2082,9 @@ pub(crate) unsafe fn store_f16(dst: *mut half::f16, src: &[f32], scale: f32) {
 }
 
 /// `dst[x] = bf16(src[x] · scale)` (the product in f32), rounding to nearest even (as
-/// `half::bf16::from_f32`).
+/// `half::bf16::from_f32`, but for subnormals: `VCVTNEPS2BF16` reads subnormal inputs as
+/// zero and flushes subnormal results to zero; `kernels::cpu::cast` rounds them as
+/// `half` does).
 ///
 /// # Safety
 /// AVX-512F and AVX512-BF16 must be available, and `dst` valid for `src.len()` writes.
