@@ -339,7 +339,7 @@ fn reference(
     let out = p.contiguous()?.reshape((n, hkv, g * l, s))?.matmul(&v)?;
     let output = cast::to_dtype(&out.reshape(dims.out_shape(ev))?, dt)?;
     let weights = if opts.need_weights {
-        Some(p.reshape(score_shape)?.to_dtype(dt)?)
+        Some(cast::to_dtype(&p.reshape(score_shape)?, dt)?)
     } else {
         None
     };

@@ -32,6 +32,8 @@ pub(crate) fn to_dtype(t: &Tensor, dtype: DType) -> Option<Result<Tensor>> {
 
 /// [`to_dtype`] with the casts of `isa` (the tests run each instruction set).
 fn to_dtype_on(isa: Isa, t: &Tensor, dtype: DType) -> Option<Result<Tensor>> {
+    // The casts below run `isa`'s instructions.
+    assert!(isa.is_supported(), "cast on {}, which this CPU lacks", isa.name());
     if !t.device().is_cpu() || t.track_op() {
         return None;
     }
