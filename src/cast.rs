@@ -6,7 +6,10 @@ use candle::{DType, Result, Tensor};
 
 /// `t.to_dtype(dtype)`, also for an empty `t` on CUDA.
 pub(crate) fn to_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    if t.elem_count() == 0 && t.dtype() != dtype {
+    if t.dtype() == dtype {
+        // What candle's `to_dtype` returns too; the layers' f32 projections come here.
+        Ok(t.clone())
+    } else if t.elem_count() == 0 {
         Tensor::zeros(t.shape(), dtype, t.device())
     } else if let Some(cast) = crate::kernels::cpu::cast::to_dtype(t, dtype) {
         cast

@@ -130,7 +130,9 @@ fn from_f16(isa: Isa, dst: &mut [MaybeUninit<f32>], src: &[f16]) {
 }
 
 /// The AVX-512 casts (16 elements per step) and the AVX2 widening casts (8), each
-/// element as `half` converts it.
+/// element as `half` converts it. `view`'s widening loops (the kernel's reads of q, k,
+/// v) are not reused: they write initialised rows, scale, and keep a signalling NaN's
+/// bits, where a cast writes fresh memory and quiets it as `half` does.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use half::{bf16, f16};
