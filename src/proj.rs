@@ -16,7 +16,12 @@ use crate::sdpa::compute_dtype;
 /// 0 keeps none). On a CPU with AMX, a bf16 weight's products run on the tile unit
 /// instead, against a pack of `2 · out · in` bytes: x is split into bf16 parts that sum
 /// to it exactly, so every product is exact and only the f32 sums round, as in the f32
-/// product (in another order; `CANDLE_ATTENTION_AMX=0` turns this off). Products of fewer rows than the kernel's register tile (14 rows with
+/// product (in another order; `CANDLE_ATTENTION_AMX=0` turns this off). So do an f16
+/// weight's (a pack of `4 · out · in` bytes, the weight as two bf16 parts that sum to
+/// it). Against an f32 input its products are exact too; against an f16/bf16 input the
+/// products of the two low parts are skipped, so each output is within `2⁻¹⁶·Σ|x·w|`
+/// of the exact sum (plus the f32 sums' rounding), where f16's own rounding is `2⁻¹¹`.
+/// Products of fewer rows than the kernel's register tile (14 rows with
 /// AVX-512, 6 with AVX2), such as decode steps, make the pack on their first call and
 /// run against it, with the threads splitting the output columns, or, with no room in
 /// the pack cache, by dot products against the weight read in place; a single row
@@ -40,6 +45,9 @@ pub struct Proj {
 struct PackCache {
     used: std::sync::atomic::AtomicBool,
     packed: std::sync::OnceLock<Option<crate::kernels::cpu::linear::PackedWeight>>,
+    /// For weights whose calls take two kinds of pack (`linear::packs_by_call`: f16 on
+    /// the AMX tile unit), the f32 panels for the calls that the tile unit does not take.
+    panels: std::sync::OnceLock<Option<crate::kernels::cpu::linear::PackedWeight>>,
 }
 
 impl Proj {
@@ -101,7 +109,10 @@ impl Proj {
     /// weight in place and later ones used the pack: the two products sum in different
     /// orders, so a layer's results moved by 1–2 f32 ulps from its first call to its
     /// second.
-    fn matmul_bias(&self, x: &Tensor, b: Option<&Tensor>, cd: DType) -> Result<Tensor> {
+    ///
+    /// `half_x`: x holds f16/bf16 values (the input before its cast to `cd`); an f16
+    /// weight's products on the tile unit then skip `lo · lo` (see [`Proj`]).
+    fn matmul_bias(&self, x: &Tensor, b: Option<&Tensor>, cd: DType, half_x: bool) -> Result<Tensor> {
         let w = &self.weight;
         #[cfg(target_arch = "x86_64")]
         {
@@ -109,9 +120,9 @@ impl Proj {
                 applies, applies_in_place, applies_packed, linear, linear_in_place, linear_packed,
             };
             if applies(x, w) {
-                return match self.kept_pack(false)? {
-                    Some(p) => linear_packed(x, p, b),
-                    None => linear(x, w, b),
+                return match self.kept_pack(false, x.dim(0)?, half_x)? {
+                    Some(p) => linear_packed(x, p, b, half_x),
+                    None => linear(x, w, b, half_x),
                 };
             }
             // Fewer rows than a register tile (a decode step): against the kept pack, or
@@ -127,8 +138,8 @@ impl Proj {
                 if !half_row {
                     // The pack is made on the first such call, so that every call of
                     // these rows runs the same product and gives the same result.
-                    if let Some(p) = self.kept_pack(true)? {
-                        return linear_packed(x, p, b);
+                    if let Some(p) = self.kept_pack(true, x.dim(0)?, half_x)? {
+                        return linear_packed(x, p, b, half_x);
                     }
                 }
                 if in_place {
@@ -139,19 +150,37 @@ impl Proj {
         Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)
     }
 
-    /// The weight's kept pack: made on the second call that asks, or on the first with
-    /// `now` (see [`Proj::matmul_bias`]); `None` before, or when the pack cache's budget
-    /// was full when it was to be made.
+    /// The weight's kept pack for products of `rows` rows of half-precision values
+    /// (`half_x`) or not: made on the second call that asks, or on the first with `now`
+    /// (see [`Proj::matmul_bias`]); `None` before, or when the pack cache's budget was
+    /// full when it was to be made.
+    ///
+    /// An f16 weight on a CPU with AMX has two (`linear::packs_by_call`): the tile
+    /// unit's for half-precision inputs of 16 rows and more, f32 panels for the rest.
+    /// Each is made when a call first needs it, so a layer that only ever runs one kind
+    /// of call keeps one pack, and every call runs the product that its rows and dtype
+    /// select, whatever calls came before.
     #[cfg(target_arch = "x86_64")]
-    fn kept_pack(&self, now: bool) -> Result<Option<&crate::kernels::cpu::linear::PackedWeight>> {
+    fn kept_pack(
+        &self,
+        now: bool,
+        rows: usize,
+        half_x: bool,
+    ) -> Result<Option<&crate::kernels::cpu::linear::PackedWeight>> {
+        use crate::kernels::cpu::linear::{on_tiles, packs_by_call, PackedWeight};
         use std::sync::atomic::Ordering;
-        let cache = &self.packed;
-        if cache.packed.get().is_none() && (cache.used.swap(true, Ordering::Relaxed) || now) {
-            let made = crate::kernels::cpu::linear::PackedWeight::cached(&self.weight)?;
+        let (cache, dt) = (&self.packed, self.weight.dtype());
+        let slot = if packs_by_call(dt) && !on_tiles(dt, rows, half_x) {
+            &cache.panels
+        } else {
+            &cache.packed
+        };
+        if slot.get().is_none() && (cache.used.swap(true, Ordering::Relaxed) || now) {
+            let made = PackedWeight::cached(&self.weight, rows, half_x)?;
             // A racing thread's pack may win; the loser's is dropped.
-            let _ = cache.packed.set(made);
+            let _ = slot.set(made);
         }
-        Ok(match cache.packed.get() {
+        Ok(match slot.get() {
             Some(Some(p)) => Some(p),
             _ => None,
         })
@@ -175,9 +204,10 @@ impl Proj {
             use crate::kernels::cpu::linear::{linear_into, linear_packed_into};
             let x2 = x.reshape((rows, in_dim))?;
             let bias = self.bias.as_ref().map(|b| b.to_dtype(DType::F32)).transpose()?;
-            match self.kept_pack(false)? {
-                Some(p) => linear_packed_into(&x2, p, bias.as_ref(), dst),
-                None => linear_into(&x2, &self.weight, bias.as_ref(), dst),
+            // `on_kernel` holds: x is f32.
+            match self.kept_pack(false, rows, false)? {
+                Some(p) => linear_packed_into(&x2, p, bias.as_ref(), false, dst),
+                None => linear_into(&x2, &self.weight, bias.as_ref(), false, dst),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -247,13 +277,61 @@ impl Proj {
         let out_dim = self.weight.dims2()?.0;
         let dims = x.dims();
         let cd = compute_dtype(x.dtype());
+        let half_x = matches!(x.dtype(), DType::F16 | DType::BF16);
         let x2 = crate::cast::to_dtype(x, cd)?.reshape((rows, in_dim))?;
         let bias = self.bias.as_ref().map(|b| b.to_dtype(cd)).transpose()?;
-        let y = self.matmul_bias(&x2, bias.as_ref(), cd)?;
+        let y = self.matmul_bias(&x2, bias.as_ref(), cd, half_x)?;
         let mut shape = dims.to_vec();
         if let Some(last) = shape.last_mut() {
             *last = out_dim;
         }
         y.reshape(shape)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An f16 weight against f16 inputs of 16 rows or more skips the products of the two
+    /// low bf16 parts where the AMX tile unit runs it, and nowhere else: not against an
+    /// f32 input holding the same values, and not for fewer rows. The values make the
+    /// skipped terms add up to `2⁻¹⁰` while the sum stays near 0.5 (so that the f32
+    /// sums' rounding, below `1e-5`, cannot hide them): `x = 1 + 3e` and, in turn, `w =
+    /// 1 + 3e` and `w = −(1 + e)`, with `e = 2⁻⁹`; `1 + 3e` is `(1 + 4e) − e` in bf16
+    /// parts and `1 + e` is `1 + e`, so every `lo·lo` is `+e²`.
+    #[test]
+    fn only_half_inputs_on_the_tile_unit_skip_the_low_products() -> Result<()> {
+        let dev = candle::Device::Cpu;
+        let e = 2f64.powi(-9);
+        let inp = 256;
+        let w: Vec<f32> = (0..16 * inp)
+            .map(|i| if i % 2 == 0 { 1.0 + 3.0 * e } else { -(1.0 + e) } as f32)
+            .collect();
+        let w = Tensor::from_vec(w, (16, inp), &dev)?.to_dtype(DType::F16)?;
+        let exact = (inp / 2) as f64 * ((1.0 + 3.0 * e) * (1.0 + 3.0 * e) - (1.0 + 3.0 * e) * (1.0 + e));
+        let skipped = exact - inp as f64 * e * e;
+        for rows in [4, 16, 40] {
+            let x = Tensor::full((1.0 + 3.0 * e) as f32, (rows, inp), &dev)?;
+            for xdt in [DType::F32, DType::F16] {
+                let p = Proj::new(w.clone(), None);
+                #[cfg(target_arch = "x86_64")]
+                let tiles =
+                    xdt == DType::F16 && crate::kernels::cpu::linear::on_tiles(DType::F16, rows, true);
+                #[cfg(not(target_arch = "x86_64"))]
+                let tiles = false;
+                let want = if tiles { skipped } else { exact };
+                for call in ["first", "second"] {
+                    let got = p.forward(&x.to_dtype(xdt)?)?.flatten_all()?.to_vec1::<f32>()?;
+                    for g in got {
+                        assert!(
+                            (g as f64 - want).abs() < 1e-5,
+                            "{rows} rows, x {xdt:?}, tiles {tiles} ({call} call): {g} vs {want} (exact {exact})"
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }

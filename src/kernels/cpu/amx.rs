@@ -387,9 +387,11 @@ pub(crate) unsafe fn pv(
     }
 }
 
-/// One output block of a projection: `C = init + Σ X_c · W_c'ᵀ` over every component
-/// pair `(c, c')` (`cx` components of x, `cw` of W), for `rtiles` (1–2) 16-row tiles of
-/// x by `panels` (1–2) 16-output panels of a packed W block.
+/// One output block of a projection: `C = init + Σ X_c · W_c'ᵀ` over the component
+/// pairs `(c, c')` (`cx` components of x, `cw` of W) with `c' = 0` or `c < cx_lo`, for
+/// `rtiles` (1–2) 16-row tiles of x by `panels` (1–2) 16-output panels of a packed W
+/// block. With `cx_lo = cx` every pair is multiplied; with `cx_lo = 1` the later
+/// components of W (an f16 weight's `lo`) meet only x's first (`hi`).
 ///
 /// - x (`xa`): row-major bf16 components at stride `xcs`, rows `ldx` apart (≥ `32·kt`).
 /// - W (`wb`): the VNNI tiles of `vnni::pack_k`, panel `p`, contraction tile `t` at
@@ -399,13 +401,13 @@ pub(crate) unsafe fn pv(
 /// - C (f32) is stored at `y`, rows `ldy` floats apart, panel `p` at `y + 16·p`.
 ///
 /// Each contraction tile loads its W tiles once per W component and multiplies them by
-/// every x component.
+/// the x components above.
 ///
 /// # Safety
 /// [`configure`] must have run on this thread; the buffers must hold what is described.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm_tiles(
-    (xa, xcs, ldx, cx): (*const u16, usize, usize, usize),
+    (xa, xcs, ldx, cx, cx_lo): (*const u16, usize, usize, usize, usize),
     (wb, wcs, cw): (*const u16, usize, usize),
     kt: usize,
     (rtiles, panels): (usize, usize),
@@ -413,6 +415,7 @@ pub(crate) unsafe fn gemm_tiles(
     (y, ldy): (*mut f32, usize),
 ) {
     debug_assert!((1..=2).contains(&rtiles) && (1..=2).contains(&panels));
+    debug_assert!((1..=cx).contains(&cx_lo));
     let (two_r, two_p) = (rtiles == 2, panels == 2);
     let (sa, sb, sy) = (ldx * 2, TK * 2, ldy * 4);
     if init.is_null() {
@@ -435,7 +438,7 @@ pub(crate) unsafe fn gemm_tiles(
             if two_p {
                 tload!(7, b0.add(kt * TILE), sb);
             }
-            for ca in 0..cx {
+            for ca in 0..if cb == 0 { cx } else { cx_lo } {
                 let a0 = xa.add(ca * xcs + t * TK);
                 tload!(4, a0, sa);
                 tdp!(0, 4, 6);

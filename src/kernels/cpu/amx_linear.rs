@@ -1,11 +1,13 @@
-//! `y = x · Wᵀ + b` on the AMX tile unit (`TDPBF16PS`) for bf16 weights and f32 `x`,
-//! with every product exact and the sums in f32, as the f32 products of `linear` compute
-//! them (in another order).
+//! `y = x · Wᵀ + b` on the AMX tile unit (`TDPBF16PS`) for bf16 and f16 weights and f32
+//! `x`, with the sums in f32. For a bf16 weight every product is exact, as in the f32
+//! products of `linear` (which sum in another order); for an f16 weight too, but for an
+//! x of half-precision values ([`runs`]), whose products skip `lo · lo` as the attention
+//! kernel's f16 products do (see [`product`]).
 //!
 //! - The weight `W (out, in)` is packed once per call (or once per layer, `linear`'s
 //!   `PackedWeight`) into the VNNI blocks of the attention kernel's K blocks
-//!   (`vnni::pack_k`, outputs as keys): bf16 as one bf16 component (f16, which
-//!   [`runs`] does not send here, as the exact `hi + lo`).
+//!   (`vnni::pack_k`, outputs as keys): bf16 as one bf16 component, f16 as the exact
+//!   `hi + lo` (`hi` rounded to nearest, so `|lo| ≤ 2⁻⁸·|w|`).
 //! - Each row block of `x` is split into three bf16 components `hi + mid + lo`, which sum
 //!   to the f32 value exactly (24 significant bits in three of 8, rounded to nearest; the
 //!   parts of values below about 2⁻¹⁰³ that fall under bf16's normal range are dropped,
@@ -14,8 +16,8 @@
 //!   is one component. A zero component would only add zeros, so
 //!   skipping it leaves the result unchanged (but for the sign of a zero).
 //! - The block products are `amx::gemm_tiles`: 2 × 2 tiles of 16 rows by 16 outputs,
-//!   over every pair of components (each W tile loaded once per contraction tile and
-//!   multiplied by each x component), the bias as the accumulators' starting value. Whole
+//!   over the pairs of components (each W tile loaded once per contraction tile and
+//!   multiplied by x's components), the bias as the accumulators' starting value. Whole
 //!   tiles are stored in place, after their lines are asked for with `prefetchw`; the
 //!   last row tile and a partial last panel go through a scratch tile.
 //! - Rows of `x` with a value that bf16 cannot hold (±inf, NaN, or beyond bf16's largest
@@ -51,20 +53,36 @@ pub(crate) fn weight_comps(dtype: DType) -> Option<usize> {
     }
 }
 
-/// Whether this process runs the products of weights of `dtype` here: bf16 weights,
-/// where the AMX tile unit is enabled for the attention kernel
-/// (`kernels::cpu::amx_enabled`: AMX available, the AVX-512 instruction set selected,
-/// `CANDLE_ATTENTION_AMX` not `0`; read per call).
+/// Whether this process runs the products of `rows` rows of an x of half-precision
+/// values (`half_x`) or not against weights of `dtype` here: bf16 weights, and f16
+/// weights against a half-precision x of [`F16_ROWS`] rows or more, where the AMX tile
+/// unit is enabled for the attention kernel (`kernels::cpu::amx_enabled`: AMX
+/// available, the AVX-512 instruction set selected, `CANDLE_ATTENTION_AMX` not `0`;
+/// read per call).
 ///
-/// f16 weights keep the f32 product. Their two components make four tile products per
-/// step for an f16 layer's input and six for an f32 input, and whole f16
-/// `MultiheadAttention` layers ran no faster on them than on the f32 product on the
-/// Intel VM of 2026-12-06 (in one process, alternating, eight readings on three shapes:
-/// −12.2% to +15.5%, five of them slower). The packs and products take them all the same
-/// (`tests` checks both).
-pub(crate) fn runs(dtype: DType) -> bool {
-    dtype == DType::BF16 && enabled()
+/// An f16 weight is two components. Against an f16 x (two components too) its products
+/// skip `lo · lo` ([`product`]): three tile products per step. Whole f16
+/// `MultiheadAttention` layers, whose projections round to f16 since 2026-12-06, then
+/// took 11–49% less time than on the f32 product (Intel VM, 2026-12-06, one process,
+/// alternating, four shapes; kernel notes), where with all four products they took
+/// −41% to +7%. An f32 x would need six tile products per step, exact, and
+/// 1024×768×2304 took 2–26% more time that way than on the f32 product, so an f32 x
+/// keeps the f32 product.
+pub(crate) fn runs(dtype: DType, rows: usize, half_x: bool) -> bool {
+    let here = match dtype {
+        DType::BF16 => true,
+        DType::F16 => half_x && rows >= F16_ROWS,
+        _ => false,
+    };
+    here && enabled()
 }
+
+/// Fewest rows whose products against an f16 weight run here ([`runs`]). Fewer rows
+/// keep the f32 product: the tile unit computes whole 16-row tiles, and against an f16
+/// weight, which is as many bytes as the f32 product's panels, 2–13 rows ran up to 71%
+/// slower here than there (six of seven readings slower), where 16 rows ran 13–41%
+/// faster (kernel notes).
+pub(crate) const F16_ROWS: usize = TM;
 
 /// Whether the AMX tile unit is enabled (see [`runs`]).
 pub(crate) fn enabled() -> bool {
@@ -269,6 +287,15 @@ unsafe fn split_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX {
 /// [`ROWS`] rows run in parallel; with fewer 16-row tiles than threads (a decode step) the
 /// threads split the output blocks instead.
 ///
+/// With `half_x` (x holds f16/bf16 values, whose products the caller rounds to a half
+/// dtype), the components of W after the first (an f16 weight's `lo`) are multiplied
+/// only by x's first (`hi`): for an f16 x that skips `lo · lo`, a term of at most
+/// `2⁻¹⁶·|x·w|` (each `lo` is at most `2⁻⁸` of its value), so each output is within
+/// `2⁻¹⁶·Σ|x·w|` of the exact sum (plus the f32 sums' rounding), far below f16's own
+/// rounding of `2⁻¹¹`. It changes nothing for a bf16 weight (one component) or a bf16 x
+/// (one component). Without `half_x`, every pair of components is multiplied and every
+/// product is exact.
+///
 /// # Safety
 /// [`enabled`] returned true, and [`pack`] returned true for `wp`.
 pub(crate) unsafe fn product(
@@ -276,6 +303,7 @@ pub(crate) unsafe fn product(
     (wp, cw): (&[u16], usize),
     bv: Option<&[f32]>,
     (rows, inp, out): (usize, usize, usize),
+    half_x: bool,
     y: &mut [MaybeUninit<f32>],
 ) {
     assert!(y.len() == rows * out && xv.len() == rows * inp);
@@ -284,7 +312,7 @@ pub(crate) unsafe fn product(
         return;
     }
     if rows.div_ceil(TM) < par::threads() {
-        return product_by_columns(xv, (wp, cw), bv, (rows, inp, out), y);
+        return product_by_columns(xv, (wp, cw), bv, (rows, inp, out), half_x, y);
     }
     let bp = padded_bias(bv, out);
     par::vec_for_each(par::row_blocks(y, (rows, out), TM, ROWS), |(r0, ys)| {
@@ -299,6 +327,7 @@ pub(crate) unsafe fn product(
                 (bv, bp.as_deref()),
                 (n, inp, out),
                 (0, out.div_ceil(BK)),
+                half_x,
                 ys,
                 out,
             );
@@ -326,6 +355,7 @@ unsafe fn product_by_columns(
     (wp, cw): (&[u16], usize),
     bv: Option<&[f32]>,
     (rows, inp, out): (usize, usize, usize),
+    half_x: bool,
     y: &mut [MaybeUninit<f32>],
 ) {
     let sx = split_rows(xv, inp, rows, inp);
@@ -351,6 +381,7 @@ unsafe fn product_by_columns(
                 (bv, bp.as_deref()),
                 (rows, inp, out),
                 (*j0, *j1),
+                half_x,
                 buf,
                 cols,
             )
@@ -366,9 +397,9 @@ unsafe fn product_by_columns(
 
 /// Output blocks `j0..j1` ([`BK`] outputs each) of the `rows` rows of `xs` (row-major,
 /// split into `sx`), plus the bias (`bp`: padded with zeros to whole blocks), into `y`
-/// (row stride `ldy`; block `j0` at column 0), all written. Whole tiles are stored in
-/// place; the last row tile and a partial last panel go through a scratch tile. Rows in
-/// `sx.bad` are recomputed by [`dot_row`].
+/// (row stride `ldy`; block `j0` at column 0), all written, with `half_x` as in
+/// [`product`]. Whole tiles are stored in place; the last row tile and a partial last
+/// panel go through a scratch tile. Rows in `sx.bad` are recomputed by [`dot_row`].
 ///
 /// # Safety
 /// As for [`product`]; `y` holds `rows` rows of stride `ldy ≥ (j1 − j0)·BK` clipped to
@@ -380,6 +411,7 @@ unsafe fn blocks_into(
     (bv, bp): (Option<&[f32]>, Option<&[f32]>),
     (rows, inp, out): (usize, usize, usize),
     (j0, j1): (usize, usize),
+    half_x: bool,
     y: &mut [MaybeUninit<f32>],
     ldy: usize,
 ) {
@@ -401,7 +433,8 @@ unsafe fn blocks_into(
             let (r0, c0) = (rt * TM, p * NR);
             let (nr, nc) = ((rows - r0).min(rtiles * TM), (nout - c0).min(panels * NR));
             let init = bp.map_or(std::ptr::null(), |b| b[o0 + c0..].as_ptr());
-            let x = (sx.data.as_ptr().add(r0 * sx.ld), sx.cs, sx.ld, sx.comps);
+            let cx_lo = if half_x { 1 } else { sx.comps };
+            let x = (sx.data.as_ptr().add(r0 * sx.ld), sx.cs, sx.ld, sx.comps, cx_lo);
             let w = (kb.add(p * kt * TILE), klen / cw, cw);
             let at = r0 * ldy + o0 - j0 * BK + c0;
             if nr == rtiles * TM && nc == panels * NR {
@@ -501,10 +534,16 @@ mod tests {
         (wp, cw)
     }
 
-    fn run(x: &[f32], w: &(AVec<u16>, usize), b: Option<&[f32]>, dims: (usize, usize, usize)) -> Vec<f32> {
+    fn run(
+        x: &[f32],
+        w: &(AVec<u16>, usize),
+        b: Option<&[f32]>,
+        dims: (usize, usize, usize),
+        half_x: bool,
+    ) -> Vec<f32> {
         let mut y = vec![MaybeUninit::<f32>::uninit(); dims.0 * dims.2];
         // SAFETY: `enabled` was checked by the callers, and `pack` returned true.
-        unsafe { product(x, (&w.0, w.1), b, dims, &mut y) };
+        unsafe { product(x, (&w.0, w.1), b, dims, half_x, &mut y) };
         // SAFETY: `product` writes every element.
         y.into_iter().map(|v| unsafe { v.assume_init() }).collect()
     }
@@ -540,17 +579,28 @@ mod tests {
                         .to_dtype(xdt)?
                         .to_dtype(DType::F32)?;
                     let xv = x.flatten_all()?.to_vec1::<f32>()?;
-                    for bias in [None, Some(&b[..])] {
-                        let got = run(&xv, &pw, bias, (rows, inp, out));
+                    // f16 and bf16 values also as half-precision inputs, whose products
+                    // skip `lo·lo` against an f16 weight.
+                    let modes: &[bool] = if xdt == DType::F32 {
+                        &[false]
+                    } else {
+                        &[false, true]
+                    };
+                    for (bias, &half_x) in [None, Some(&b[..])]
+                        .into_iter()
+                        .flat_map(|b| modes.iter().map(move |h| (b, h)))
+                    {
+                        let got = run(&xv, &pw, bias, (rows, inp, out), half_x);
                         for r in 0..rows {
                             for o in 0..out {
-                                let terms = (0..inp).map(|k| xv[r * inp + k] as f64 * wv[o][k] as f64);
-                                let want = terms.clone().sum::<f64>() + bias.map_or(0.0, |b| b[o] as f64);
-                                let size = terms.map(f64::abs).sum::<f64>() + 1.0;
+                                let (x, w) = (&xv[r * inp..(r + 1) * inp], &wv[o]);
+                                let want = product_f64(x, w, half_x) + bias.map_or(0.0, |b| b[o] as f64);
+                                let size =
+                                    (0..inp).map(|k| (x[k] as f64 * w[k] as f64).abs()).sum::<f64>() + 1.0;
                                 let g = got[r * out + o] as f64;
                                 assert!(
                                     (g - want).abs() <= 5e-7 * size,
-                                    "{rows}x{inp}x{out} w {wdt:?} x {xdt:?} ({r}, {o}): {g} vs {want}"
+                                    "{rows}x{inp}x{out} w {wdt:?} x {xdt:?} half_x {half_x} ({r}, {o}): {g} vs {want}"
                                 );
                             }
                         }
@@ -559,7 +609,72 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 72);
+        assert_eq!(checked, 120);
+        Ok(())
+    }
+
+    /// `x · w` in f64, without the products of the two low bf16 parts (each value's
+    /// difference from its bf16 rounding) with `half_x`.
+    fn product_f64(x: &[f32], w: &[f32], half_x: bool) -> f64 {
+        let lo = |v: f32| v as f64 - half::bf16::from_f32(v).to_f64();
+        let lo_lo = |k: usize| if half_x { lo(x[k]) * lo(w[k]) } else { 0.0 };
+        (0..x.len()).map(|k| x[k] as f64 * w[k] as f64 - lo_lo(k)).sum()
+    }
+
+    /// On the tile unit, an f16 weight against half-precision inputs skips exactly the
+    /// `lo·lo` products, and against other inputs runs them all. The values are chosen
+    /// so that the skipped terms add up (`1 + 3·2⁻⁹` is `(1 + 2⁻⁷) − 2⁻⁹` in bf16 parts:
+    /// every `lo·lo` is `+2⁻¹⁸`), and the two sums lie further apart than the f32 sums'
+    /// rounding.
+    #[test]
+    fn half_inputs_skip_only_the_low_parts_products() -> Result<(), candle::Error> {
+        if !enabled() {
+            eprintln!("no AMX tile unit here: nothing to check");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        for (rows, inp, out) in [(16, 256, 20), (40, 512, 70)] {
+            // Signs and powers of two by input position and row, so that every
+            // `x[k]·w[k]` and every `lo·lo` of one output has the same sign.
+            let v = |n: usize, s: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|i| {
+                        let (k, row) = (i % inp, i / inp);
+                        let sign = if (k % 5 == 3) ^ (row % s == 1) { -1.0 } else { 1.0 };
+                        sign * (1.0 + 3.0 / 512.0) * [1.0, 0.5, 2.0, 0.25][(k + row) % 4]
+                    })
+                    .collect()
+            };
+            let wv = v(out * inp, 3);
+            let w = Tensor::from_vec(wv.clone(), (out, inp), &dev)?.to_dtype(DType::F16)?;
+            assert_eq!(w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, wv);
+            let pw = packed(&w);
+            assert_eq!(pw.1, 2);
+            let xv = v(rows * inp, 7);
+            for half_x in [false, true] {
+                let got = run(&xv, &pw, None, (rows, inp, out), half_x);
+                for r in 0..rows {
+                    for o in 0..out {
+                        let (x, w) = (&xv[r * inp..(r + 1) * inp], &wv[o * inp..(o + 1) * inp]);
+                        let want = product_f64(x, w, half_x);
+                        let other = product_f64(x, w, !half_x);
+                        let size = (0..inp).map(|k| (x[k] as f64 * w[k] as f64).abs()).sum::<f64>();
+                        let (g, tol) = (got[r * out + o] as f64, 5e-7 * size);
+                        assert!(
+                            (want - other).abs() > 4.0 * tol,
+                            "the case cannot tell them apart"
+                        );
+                        assert!(
+                            (g - want).abs() <= tol,
+                            "{rows}x{inp}x{out} half_x {half_x} ({r}, {o}): {g} vs {want} (other {other})"
+                        );
+                        // The bound that `product` states for the skipped terms.
+                        let exact = product_f64(x, w, false);
+                        assert!((g - exact).abs() <= size * (2f64.powi(-16) + 5e-7));
+                    }
+                }
+            }
+        }
         Ok(())
     }
 
@@ -597,6 +712,7 @@ mod tests {
                             (Some(&b), padded_bias(Some(&b), out).as_deref()),
                             (rows, inp, out),
                             blocks,
+                            false,
                             &mut y,
                             out,
                         )
@@ -644,7 +760,7 @@ mod tests {
             }
             let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
             // SAFETY: as above, and `pack` returned true.
-            unsafe { product(&xv, (&wp, 1), None, (rows, inp, out), &mut y) };
+            unsafe { product(&xv, (&wp, 1), None, (rows, inp, out), false, &mut y) };
             for r in 0..rows {
                 for o in 0..out {
                     // SAFETY: `product` writes every element.

@@ -194,8 +194,13 @@ fn tile_rows(isa: Isa) -> Option<usize> {
 /// on the CPU; returns `(rows, out)` in f32. `W` is packed for this call only, into a
 /// buffer the calling thread keeps. Callers check [`applies`] first; shapes are
 /// validated again here.
-pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    new_output(x, w.dims2()?.0, |dst| linear_into(x, w, b, dst))
+///
+/// `half_x` says that x holds f16/bf16 values whose results the caller rounds to a half
+/// dtype: an f16 weight then runs on the AMX tile unit, where it is enabled, for 16 rows
+/// or more, without its `lo · lo` products (`amx_linear::product`, within
+/// `2⁻¹⁶·Σ|x·w|`).
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, half_x: bool) -> Result<Tensor> {
+    new_output(x, w.dims2()?.0, |dst| linear_into(x, w, b, half_x, dst))
 }
 
 /// A new `(rows, out)` f32 tensor for `x (rows, in)`, written whole by `write`.
@@ -220,13 +225,14 @@ pub(crate) fn linear_into(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
+    half_x: bool,
     dst: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
     let (out, inp) = w.dims2()?;
     let wc = w.contiguous()?;
     let (wg, wl) = wc.storage_and_layout();
     let wd = weight_data(&wg, wl, w)?;
-    if let Some(cw) = tiles_comps(w.dtype()) {
+    if let Some(cw) = tiles_comps(w.dtype(), x.dim(0)?, half_x) {
         let done = with_operands(x, (out, inp), w, b, dst, true, |rows, xv, bv, dst| {
             // 16 MiB of bf16 kept, as for the f32 pack below.
             with_kept(&PACK_TILES, 2 * KEEP_FLOATS, |wp| {
@@ -236,7 +242,7 @@ pub(crate) fn linear_into(
                 let finite = unsafe { amx_linear::pack(wd, (out, inp), cw, &mut wp[..len]) };
                 if finite {
                     // SAFETY: the same, and the pack holds finite weights.
-                    unsafe { amx_linear::product(xv, (&wp[..len], cw), bv, (rows, inp, out), dst) };
+                    unsafe { amx_linear::product(xv, (&wp[..len], cw), bv, (rows, inp, out), half_x, dst) };
                 }
                 finite
             })
@@ -279,9 +285,15 @@ fn with_kept<T: Copy + Default, R>(
     })
 }
 
-/// [`linear`] against a weight packed once by [`PackedWeight::cached`].
-pub(crate) fn linear_packed(x: &Tensor, w: &PackedWeight, b: Option<&Tensor>) -> Result<Tensor> {
-    new_output(x, w.out, |dst| linear_packed_into(x, w, b, dst))
+/// [`linear`] against a weight packed once by [`PackedWeight::cached`], with `half_x` as
+/// there.
+pub(crate) fn linear_packed(
+    x: &Tensor,
+    w: &PackedWeight,
+    b: Option<&Tensor>,
+    half_x: bool,
+) -> Result<Tensor> {
+    new_output(x, w.out, |dst| linear_packed_into(x, w, b, half_x, dst))
 }
 
 /// [`linear_packed`] into `dst`, as [`linear_into`].
@@ -289,6 +301,7 @@ pub(crate) fn linear_packed_into(
     x: &Tensor,
     w: &PackedWeight,
     b: Option<&Tensor>,
+    half_x: bool,
     dst: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
     with_operands(
@@ -303,7 +316,7 @@ pub(crate) fn linear_packed_into(
             // SAFETY: a tile pack is made only where the tile unit is enabled, and only of
             // finite weights (`PackedWeight::cached`).
             Panels::Tiles(wp, cw) => unsafe {
-                amx_linear::product(xv, (wp, *cw), bv, (rows, w.inp, w.out), dst)
+                amx_linear::product(xv, (wp, *cw), bv, (rows, w.inp, w.out), half_x, dst)
             },
         },
     )
@@ -384,9 +397,9 @@ fn cache_budget() -> usize {
 static CACHED_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 /// A weight `(out, in)` packed once, for layers that apply the same weight many times
-/// ([`crate::Proj`]): into f32 16-output panels `[out / 16][in][16]`, or, for bf16
-/// weights where the AMX tile unit runs their products ([`tiles_comps`]), into its
-/// VNNI blocks (`amx_linear::pack`). It counts against a process-wide budget
+/// ([`crate::Proj`]): into f32 16-output panels `[out / 16][in][16]`, or, where the
+/// AMX tile unit runs the products it is packed for ([`tiles_comps`]), into the tile
+/// unit's VNNI blocks (`amx_linear::pack`). It counts against a process-wide budget
 /// ([`cache_budget`]) until dropped.
 pub(crate) struct PackedWeight {
     panels: Panels,
@@ -397,13 +410,15 @@ pub(crate) struct PackedWeight {
 }
 
 impl PackedWeight {
-    /// Packs `w`, if the budget has room for it; `None` otherwise.
-    pub(crate) fn cached(w: &Tensor) -> Result<Option<Self>> {
+    /// Packs `w` for products of `rows` rows of an x of half-precision values (`half_x`)
+    /// or not (for f16 weights the kind of pack depends on them: [`packs_by_call`]), if
+    /// the budget has room for it; `None` otherwise.
+    pub(crate) fn cached(w: &Tensor, rows: usize, half_x: bool) -> Result<Option<Self>> {
         let (out, inp) = w.dims2()?;
         let wc = w.contiguous()?;
         let (wg, wl) = wc.storage_and_layout();
         let wd = weight_data(&wg, wl, w)?;
-        if let Some(cw) = tiles_comps(w.dtype()) {
+        if let Some(cw) = tiles_comps(w.dtype(), rows, half_x) {
             let len = amx_linear::pack_len((out, inp), cw);
             let Some(mut packed) = Self::reserved(Panels::Tiles(AVec::new(len), cw), w)? else {
                 return Ok(None);
@@ -459,12 +474,30 @@ impl Panels {
     }
 }
 
-/// The bf16 components of a weight of `dtype` when its products run on the AMX tile
-/// unit (`amx_linear::runs`: bf16 weights where the tile unit is enabled; read per
-/// call); `None` otherwise.
-fn tiles_comps(dtype: DType) -> Option<usize> {
-    amx_linear::weight_comps(dtype).filter(|_| amx_linear::runs(dtype))
+/// The bf16 components of a weight of `dtype` when its products of `rows` rows of x
+/// (half-precision values or not: `half_x`) run on the AMX tile unit
+/// (`amx_linear::runs`: bf16 weights, and f16 weights against half-precision x of 16
+/// rows or more, where the tile unit is enabled; read per call); `None` otherwise.
+fn tiles_comps(dtype: DType, rows: usize, half_x: bool) -> Option<usize> {
+    amx_linear::weight_comps(dtype).filter(|_| amx_linear::runs(dtype, rows, half_x))
 }
+
+/// Whether products against a weight of `dtype` take the tile unit's pack for some
+/// calls and f32 panels for others ([`on_tiles`]; f16 weights where the tile unit is
+/// enabled): a layer that runs both keeps both ([`crate::Proj`]).
+pub(crate) fn packs_by_call(dtype: DType) -> bool {
+    on_tiles(dtype, TILE_CALL.0, TILE_CALL.1) && !on_tiles(dtype, 1, false)
+}
+
+/// Whether products of `rows` rows (of half-precision values or not: `half_x`) against
+/// a weight of `dtype` run on the tile unit's pack.
+pub(crate) fn on_tiles(dtype: DType, rows: usize, half_x: bool) -> bool {
+    tiles_comps(dtype, rows, half_x).is_some()
+}
+
+/// A call that every weight the tile unit takes runs there with: a half-precision x of
+/// `amx_linear::F16_ROWS` rows.
+const TILE_CALL: (usize, bool) = (amx_linear::F16_ROWS, true);
 
 /// Adds `bytes` to `held` if the sum stays within `budget`; whether it did.
 fn reserve(held: &AtomicUsize, bytes: usize, budget: usize) -> bool {
@@ -905,7 +938,7 @@ mod tests {
             );
             let (entered, got) = pool.install(|| {
                 let before = par::inline_entries();
-                let got = linear(&x, &w, None);
+                let got = linear(&x, &w, None, false);
                 (par::inline_entries() - before, got)
             });
             assert_eq!(entered > 0, small, "{:?}", (rows, inp, out));
@@ -1004,30 +1037,41 @@ mod tests {
         }
         let w = Tensor::ones((20, 8), DType::F32, &candle::Device::Cpu)?;
         let before = CACHED_BYTES.load(Ordering::Relaxed);
-        let p = PackedWeight::cached(&w)?.expect("a 1 KiB pack fits the default budget");
+        let p = PackedWeight::cached(&w, 16, false)?.expect("a 1 KiB pack fits the default budget");
         let bytes = 32 * 8 * 4; // two 16-output panels of 8 inputs
         assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before + bytes);
         drop(p);
         assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before);
-        // Where the tile unit runs bf16 products, their weights are kept as its VNNI
-        // blocks (64 outputs × 32 inputs × 2 bytes); a weight with an infinity, f16
-        // weights, and every weight elsewhere, as f32 panels.
-        for (dt, comps) in [(DType::BF16, 1), (DType::F16, 2)] {
+        // Where the tile unit runs the products of bf16 weights, and of f16 weights
+        // against half-precision x of 16 rows or more, those weights are kept as its
+        // VNNI blocks (64 outputs × 32 inputs × 2 bytes per component); a weight with an
+        // infinity, f16 weights packed for other calls, and every weight elsewhere, as
+        // f32 panels.
+        for (dt, comps, rows, half_x) in [
+            (DType::BF16, 1, 1, false),
+            (DType::BF16, 1, 16, true),
+            (DType::F16, 2, 15, true),
+            (DType::F16, 2, 16, false),
+            (DType::F16, 2, 16, true),
+        ] {
+            let case = format!("{dt:?} for {rows} rows, half_x {half_x}");
             let w = w.to_dtype(dt)?;
-            let p = PackedWeight::cached(&w)?.expect("fits");
-            let tiles = amx_linear::enabled() && dt == DType::BF16;
-            assert_eq!(tiles_comps(dt).is_some(), tiles, "{dt:?}");
-            assert_eq!(matches!(p.panels, Panels::Tiles(..)), tiles, "{dt:?}");
+            let p = PackedWeight::cached(&w, rows, half_x)?.expect("fits");
+            let tiles = amx_linear::enabled() && (dt == DType::BF16 || (rows >= 16 && half_x));
+            assert_eq!(on_tiles(dt, rows, half_x), tiles, "{case}");
+            let by_call = amx_linear::enabled() && dt == DType::F16;
+            assert_eq!(packs_by_call(dt), by_call, "{case}");
+            assert_eq!(matches!(p.panels, Panels::Tiles(..)), tiles, "{case}");
             let want = if tiles { 64 * 32 * 2 * comps } else { bytes };
-            assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before + want, "{dt:?}");
+            assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before + want, "{case}");
             drop(p);
             let inf = Tensor::cat(&[w.narrow(0, 0, 19)?, (w.narrow(0, 19, 1)? * f64::INFINITY)?], 0)?;
-            let p = PackedWeight::cached(&inf)?.expect("fits");
-            assert!(matches!(p.panels, Panels::F32(_)), "{dt:?} with inf");
+            let p = PackedWeight::cached(&inf, rows, half_x)?.expect("fits");
+            assert!(matches!(p.panels, Panels::F32(_)), "{case} with inf");
             assert_eq!(
                 CACHED_BYTES.load(Ordering::Relaxed),
                 before + bytes,
-                "{dt:?} with inf"
+                "{case} with inf"
             );
             drop(p);
             assert_eq!(CACHED_BYTES.load(Ordering::Relaxed), before);
