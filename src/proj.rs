@@ -147,6 +147,9 @@ impl Proj {
                 }
             }
         }
+        // Candle's `matmul` multiplies every product in `cd`.
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = half_x;
         Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)
     }
 
