@@ -161,8 +161,9 @@ fn bad_shapes_are_errors_that_name_them() -> Result<()> {
 
 /// Inputs with ±inf and NaN, and weights with them (f32, bf16 and f16), give the
 /// reference's infinities and NaNs, and its finite values elsewhere, on the first call
-/// and on the kept pack, for a few rows and for many. (Where the AMX tile unit runs
-/// bf16 products, such input rows are recomputed by f32 dot products and such
+/// and on the kept pack, for a few rows and for many, with f32 inputs and inputs in the
+/// weight's dtype. (Where the AMX tile unit runs bf16 products, and f16 products of
+/// half-precision inputs, such input rows are recomputed by f32 dot products and such
 /// weights take the f32 product.)
 #[test]
 fn non_finite_inputs_and_weights_give_the_references_values() -> Result<()> {
@@ -185,23 +186,35 @@ fn non_finite_inputs_and_weights_give_the_references_values() -> Result<()> {
                 xv[inp + 2] = f32::INFINITY;
                 xv[3 * inp + 60] = f32::NEG_INFINITY;
                 xv[4 * inp] = f32::NAN;
-                let x = Tensor::from_vec(xv, (rows, inp), &dev)?;
-                let p = Proj::new(w.clone(), None);
-                let want =
-                    Proj::matmul_bias_reference(&x, &w.to_dtype(DType::F32)?, None)?.to_vec2::<f32>()?;
-                for call in ["first", "second"] {
-                    let got = p.forward(&x)?.to_vec2::<f32>()?;
-                    for (r, (g, w)) in got.iter().zip(&want).enumerate() {
-                        for (o, (&g, &w)) in g.iter().zip(w).enumerate() {
-                            let same = if w.is_finite() {
-                                (g - w).abs() <= 1e-5 * w.abs().max(1.0)
-                            } else {
-                                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan())
-                            };
-                            assert!(
-                                same,
-                                "weight {wdt:?} (non-finite: {bad_weight}), rows {rows}, {call} call, ({r}, {o}): {g} vs {w}"
-                            );
+                let x32 = Tensor::from_vec(xv, (rows, inp), &dev)?;
+                let w32 = w.to_dtype(DType::F32)?;
+                for xdt in if wdt == DType::F32 {
+                    vec![wdt]
+                } else {
+                    vec![DType::F32, wdt]
+                } {
+                    let x = x32.to_dtype(xdt)?;
+                    let x32 = x.to_dtype(DType::F32)?;
+                    let p = Proj::new(w.clone(), None);
+                    let want = Proj::matmul_bias_reference(&x32, &w32, None)?.to_vec2::<f32>()?;
+                    // An f16 weight against a half-precision input may skip `lo·lo`
+                    // products: within `2⁻¹⁶·Σ|x·w|` more (`Proj`).
+                    let size = x32.abs()?.matmul(&w32.abs()?.t()?)?.to_vec2::<f32>()?;
+                    let skip = if xdt == DType::F16 { 2f32.powi(-16) } else { 0.0 };
+                    for call in ["first", "second"] {
+                        let got = p.forward(&x)?.to_vec2::<f32>()?;
+                        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                            for (o, (&g, &w)) in g.iter().zip(w).enumerate() {
+                                let same = if w.is_finite() {
+                                    (g - w).abs() <= 1e-5 * w.abs().max(1.0) + skip * size[r][o]
+                                } else {
+                                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan())
+                                };
+                                assert!(
+                                    same,
+                                    "weight {wdt:?} (non-finite: {bad_weight}), x {xdt:?}, rows {rows}, {call} call, ({r}, {o}): {g} vs {w}"
+                                );
+                            }
                         }
                     }
                 }
