@@ -371,7 +371,7 @@ impl MultiheadAttention {
         // as PyTorch's `nn.Linear` layers return them: q, k, v and the attention output
         // of an f16/bf16 layer are f16/bf16.
         let cd = compute_dtype(dt);
-        let proj = |p: &Proj, x: &Tensor| cast::to_dtype(&p.forward(x)?, dt);
+        let proj = |p: &Proj, x: &Tensor| p.forward_to(x, dt);
         let heads = |t: &Tensor| -> Result<Tensor> {
             let (n, len, _) = t.dims3()?;
             t.reshape((n, len, h, hd))?.transpose(1, 2)

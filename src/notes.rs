@@ -227,7 +227,7 @@ impl MultiHeadAttention {
         // Each projection computed in the accumulation dtype and rounded to the query's
         // dtype, as PyTorch's `nn.Linear` returns it.
         let dt = query.dtype();
-        let proj = |p: &Proj, x: &Tensor| crate::cast::to_dtype(&p.forward(x)?, dt);
+        let proj = |p: &Proj, x: &Tensor| p.forward_to(x, dt);
         let q = heads(proj(&self.wq, query)?, l)?;
         let k = heads(proj(&self.wk, key)?, s)?;
         let v = heads(proj(&self.wv, value)?, s)?;

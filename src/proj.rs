@@ -111,8 +111,16 @@ impl Proj {
     /// second.
     ///
     /// `half_x`: x holds f16/bf16 values (the input before its cast to `cd`); an f16
-    /// weight's products on the tile unit then skip `lo · lo` (see [`Proj`]).
-    fn matmul_bias(&self, x: &Tensor, b: Option<&Tensor>, cd: DType, half_x: bool) -> Result<Tensor> {
+    /// weight's products on the tile unit then skip `lo · lo` (see [`Proj`]). The
+    /// result is returned in `out`, rounded from `cd` as `cast::to_dtype` rounds (the
+    /// tile unit's products write bf16/f16 rows themselves, with the same bits).
+    fn matmul_bias(
+        &self,
+        x: &Tensor,
+        b: Option<&Tensor>,
+        (cd, out): (DType, DType),
+        half_x: bool,
+    ) -> Result<Tensor> {
         let w = &self.weight;
         #[cfg(target_arch = "x86_64")]
         {
@@ -121,8 +129,8 @@ impl Proj {
             };
             if applies(x, w) {
                 return match self.kept_pack(false, x.dim(0)?, half_x)? {
-                    Some(p) => linear_packed(x, p, b, half_x),
-                    None => linear(x, w, b, half_x),
+                    Some(p) => linear_packed(x, p, b, half_x, out),
+                    None => linear(x, w, b, half_x, out),
                 };
             }
             // Fewer rows than a register tile (a decode step): against the kept pack, or
@@ -139,18 +147,18 @@ impl Proj {
                     // The pack is made on the first such call, so that every call of
                     // these rows runs the same product and gives the same result.
                     if let Some(p) = self.kept_pack(true, x.dim(0)?, half_x)? {
-                        return linear_packed(x, p, b, half_x);
+                        return linear_packed(x, p, b, half_x, out);
                     }
                 }
                 if in_place {
-                    return linear_in_place(x, w, b);
+                    return crate::cast::to_dtype(&linear_in_place(x, w, b)?, out);
                 }
             }
         }
         // Candle's `matmul` multiplies every product in `cd`.
         #[cfg(not(target_arch = "x86_64"))]
         let _ = half_x;
-        Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)
+        crate::cast::to_dtype(&Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)?, out)
     }
 
     /// The weight's kept pack for products of `rows` rows of half-precision values
@@ -276,6 +284,14 @@ impl Proj {
 
     /// `(…, in)` → `(…, out)` in the accumulation dtype of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_to(x, compute_dtype(x.dtype()))
+    }
+
+    /// [`Proj::forward`] rounded to `dtype`: the bits of `cast::to_dtype(&forward(x)?,
+    /// dtype)`, as a half-precision layer rounds its projections. On the AMX tile unit a
+    /// product rounded to bf16 writes the bf16 rows itself, without an f32 result to
+    /// read back.
+    pub(crate) fn forward_to(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         let (rows, in_dim) = self.check_input(x)?;
         let out_dim = self.weight.dims2()?.0;
         let dims = x.dims();
@@ -283,7 +299,7 @@ impl Proj {
         let half_x = matches!(x.dtype(), DType::F16 | DType::BF16);
         let x2 = crate::cast::to_dtype(x, cd)?.reshape((rows, in_dim))?;
         let bias = self.bias.as_ref().map(|b| b.to_dtype(cd)).transpose()?;
-        let y = self.matmul_bias(&x2, bias.as_ref(), cd, half_x)?;
+        let y = self.matmul_bias(&x2, bias.as_ref(), (cd, dtype), half_x)?;
         let mut shape = dims.to_vec();
         if let Some(last) = shape.last_mut() {
             *last = out_dim;
@@ -295,6 +311,44 @@ impl Proj {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `forward_to` gives the bits of `forward` cast by candle, on the first call (the
+    /// weight packed for the call) and on later ones (the kept pack), for bf16 and f16
+    /// weights and outputs, inputs in f32 and in the weight's dtype, and rows below and
+    /// above a tile (on AMX, bf16 rows written by the tile unit itself).
+    #[test]
+    fn rounded_projections_are_the_cast_of_the_f32_projection() -> Result<()> {
+        let dev = candle::Device::Cpu;
+        for wdt in [DType::BF16, DType::F16] {
+            let w = Tensor::randn(0f32, 1.0, (100, 96), &dev)?.to_dtype(wdt)?;
+            let b = Tensor::randn(0f32, 1.0, 100, &dev)?.to_dtype(wdt)?;
+            for xdt in [DType::F32, wdt] {
+                for rows in [4, 40] {
+                    let x = Tensor::randn(0f32, 2.0, (2, rows, 96), &dev)?.to_dtype(xdt)?;
+                    for out in [DType::BF16, DType::F16] {
+                        let (p, q) = (
+                            Proj::new(w.clone(), Some(b.clone())),
+                            Proj::new(w.clone(), Some(b.clone())),
+                        );
+                        for call in 1..=3 {
+                            let got = p.forward_to(&x, out)?;
+                            let want = q.forward(&x)?.to_dtype(out)?;
+                            assert_eq!((got.dtype(), got.dims()), (out, want.dims()));
+                            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                                let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                                Ok(v.iter().map(|v| v.to_bits()).collect())
+                            };
+                            assert!(
+                                bits(&got)? == bits(&want)?,
+                                "weight {wdt:?}, x {xdt:?}, {rows} rows, rounded to {out:?}: call {call}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 
     /// An f16 weight against f16 inputs of 16 rows or more skips the products of the two
     /// low bf16 parts where the AMX tile unit runs it, and nowhere else: not against an

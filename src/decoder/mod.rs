@@ -497,7 +497,7 @@ impl DecoderAttention {
         let o = o
             .transpose(1, 2)?
             .reshape((b, l, self.cfg.num_heads * self.cfg.head_dim))?;
-        cast::to_dtype(&self.o.forward(&o)?, x.dtype())
+        self.o.forward_to(&o, x.dtype())
     }
 }
 

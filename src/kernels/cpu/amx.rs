@@ -399,6 +399,9 @@ pub(crate) unsafe fn pv(
 /// - `init`: 16 floats per panel, added to every row (the bias; read as tiles of
 ///   stride 0), or zero when null.
 /// - C (f32) is stored at `y`, rows `ldy` floats apart, panel `p` at `y + 16·p`.
+/// - `between` runs after the products are issued and before C is stored: the tile
+///   unit works through them meanwhile, so the core can do other work there (the
+///   projection rounds the previous block's rows).
 ///
 /// Each contraction tile loads its W tiles once per W component and multiplies them by
 /// the x components above.
@@ -413,6 +416,7 @@ pub(crate) unsafe fn gemm_tiles(
     (rtiles, panels): (usize, usize),
     init: *const f32,
     (y, ldy): (*mut f32, usize),
+    between: &mut dyn FnMut(),
 ) {
     debug_assert!((1..=2).contains(&rtiles) && (1..=2).contains(&panels));
     debug_assert!((1..=cx).contains(&cx_lo));
@@ -455,6 +459,7 @@ pub(crate) unsafe fn gemm_tiles(
             }
         }
     }
+    between();
     tstore!(0, y, sy);
     if two_p {
         tstore!(1, y.add(NR), sy);

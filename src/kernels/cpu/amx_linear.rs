@@ -296,6 +296,10 @@ unsafe fn split_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX {
 /// (one component). Without `half_x`, every pair of components is multiplied and every
 /// product is exact.
 ///
+/// The results are written to `y` as f32, or rounded to bf16/f16 ([`Rows::Half`]) with
+/// the bits of `cast::to_dtype`, so that a half-precision layer need not write f32 rows
+/// and read them back to round them.
+///
 /// # Safety
 /// [`enabled`] returned true, and [`pack`] returned true for `wp`.
 pub(crate) unsafe fn product(
@@ -304,7 +308,7 @@ pub(crate) unsafe fn product(
     bv: Option<&[f32]>,
     (rows, inp, out): (usize, usize, usize),
     half_x: bool,
-    y: &mut [MaybeUninit<f32>],
+    y: Rows,
 ) {
     assert!(y.len() == rows * out && xv.len() == rows * inp);
     assert!(wp.len() == pack_len((out, inp), cw) && bv.is_none_or(|b| b.len() == out));
@@ -315,8 +319,8 @@ pub(crate) unsafe fn product(
         return product_by_columns(xv, (wp, cw), bv, (rows, inp, out), half_x, y);
     }
     let bp = padded_bias(bv, out);
-    par::vec_for_each(par::row_blocks(y, (rows, out), TM, ROWS), |(r0, ys)| {
-        let n = ys.len() / out;
+    let block = |(r0, ys): (usize, Dst)| {
+        let n = ys.len / out;
         // SAFETY: the caller's guarantees; `ys` holds rows `r0..r0 + n` of `y`.
         unsafe {
             let xs = &xv[r0 * inp..(r0 + n) * inp];
@@ -332,7 +336,97 @@ pub(crate) unsafe fn product(
                 out,
             );
         }
-    });
+    };
+    match y {
+        Rows::F32(y) => par::vec_for_each(
+            par::row_blocks(y, (rows, out), TM, ROWS)
+                .into_iter()
+                .map(|(r0, ys)| (r0, Dst::f32(ys)))
+                .collect(),
+            block,
+        ),
+        Rows::Half(y, dt) => par::vec_for_each(
+            par::row_blocks(y, (rows, out), TM, ROWS)
+                .into_iter()
+                .map(|(r0, ys)| (r0, Dst::half(ys, dt)))
+                .collect(),
+            block,
+        ),
+    }
+}
+
+/// Where [`product`] writes its `rows · out` results (row-major), all of them.
+pub(crate) enum Rows<'a> {
+    /// As computed.
+    F32(&'a mut [MaybeUninit<f32>]),
+    /// Rounded to `dtype` (bf16 or f16), bit for bit as `cast::to_dtype` rounds f32.
+    Half(&'a mut [MaybeUninit<u16>], DType),
+}
+
+impl Rows<'_> {
+    /// Elements of the output.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Rows::F32(y) => y.len(),
+            Rows::Half(y, _) => y.len(),
+        }
+    }
+}
+
+/// A run of `len` output elements that [`blocks_into`] writes, f32 or rounded
+/// ([`Rows`]); a raw pointer, so that the threads' disjoint row blocks can be passed
+/// around as values.
+#[derive(Clone, Copy)]
+struct Dst {
+    ptr: *mut u8,
+    len: usize,
+    /// `None` for f32; the dtype rounded to otherwise.
+    half: Option<DType>,
+}
+
+// SAFETY: a `Dst` is made from a `&mut` slice that the thread holding it writes alone
+// (`row_blocks` and the column parts hand out disjoint runs).
+unsafe impl Send for Dst {}
+unsafe impl Sync for Dst {}
+
+impl Dst {
+    fn f32(y: &mut [MaybeUninit<f32>]) -> Self {
+        Dst {
+            ptr: y.as_mut_ptr().cast(),
+            len: y.len(),
+            half: None,
+        }
+    }
+
+    fn half(y: &mut [MaybeUninit<u16>], dt: DType) -> Self {
+        assert!(matches!(dt, DType::BF16 | DType::F16), "rounding to {dt:?}");
+        Dst {
+            ptr: y.as_mut_ptr().cast(),
+            len: y.len(),
+            half: Some(dt),
+        }
+    }
+
+    /// The f32 element `at`, where the output is f32.
+    fn f32_at(self, at: usize) -> Option<*mut f32> {
+        assert!(at < self.len);
+        // SAFETY: inside the run (asserted).
+        self.half
+            .is_none()
+            .then(|| unsafe { (self.ptr as *mut f32).add(at) })
+    }
+
+    /// Writes `src` at elements `at..at + src.len()`: copied, or rounded.
+    ///
+    /// # Safety
+    /// AVX-512F is available (for the rounding).
+    unsafe fn put(self, at: usize, src: &[f32]) {
+        assert!(at + src.len() <= self.len);
+        match self.half {
+            None => std::ptr::copy_nonoverlapping(src.as_ptr(), (self.ptr as *mut f32).add(at), src.len()),
+            Some(dt) => super::cast::round_avx512(dt, (self.ptr as *mut u16).add(at), src),
+        }
+    }
 }
 
 /// The bias with zeros up to whole blocks of [`BK`] outputs, as [`amx::gemm_tiles`]
@@ -356,7 +450,7 @@ unsafe fn product_by_columns(
     bv: Option<&[f32]>,
     (rows, inp, out): (usize, usize, usize),
     half_x: bool,
-    y: &mut [MaybeUninit<f32>],
+    y: Rows,
 ) {
     let sx = split_rows(xv, inp, rows, inp);
     let bp = padded_bias(bv, out);
@@ -382,15 +476,23 @@ unsafe fn product_by_columns(
                 (rows, inp, out),
                 (*j0, *j1),
                 half_x,
-                buf,
+                Dst::f32(buf),
                 cols,
             )
         };
     });
+    let y = match y {
+        Rows::F32(y) => Dst::f32(y),
+        Rows::Half(y, dt) => Dst::half(y, dt),
+    };
     for (j0, _, buf) in &parts {
         let (o0, cols) = (j0 * BK, buf.len() / rows);
         for r in 0..rows {
-            y[r * out + o0..r * out + o0 + cols].copy_from_slice(&buf[r * cols..(r + 1) * cols]);
+            // SAFETY: `blocks_into` wrote every element of `buf`; AVX-512F is there
+            // (the caller's guarantee).
+            let row =
+                unsafe { std::mem::transmute::<&[MaybeUninit<f32>], &[f32]>(&buf[r * cols..(r + 1) * cols]) };
+            unsafe { y.put(r * out + o0, row) };
         }
     }
 }
@@ -398,8 +500,9 @@ unsafe fn product_by_columns(
 /// Output blocks `j0..j1` ([`BK`] outputs each) of the `rows` rows of `xs` (row-major,
 /// split into `sx`), plus the bias (`bp`: padded with zeros to whole blocks), into `y`
 /// (row stride `ldy`; block `j0` at column 0), all written, with `half_x` as in
-/// [`product`]. Whole tiles are stored in place; the last row tile and a partial last
-/// panel go through a scratch tile. Rows in `sx.bad` are recomputed by [`dot_row`].
+/// [`product`]. Whole tiles of an f32 output are stored in place; the last row tile, a
+/// partial last panel and every tile of a rounded output go through a scratch tile.
+/// Rows in `sx.bad` are recomputed by [`dot_row`].
 ///
 /// # Safety
 /// As for [`product`]; `y` holds `rows` rows of stride `ldy ≥ (j1 − j0)·BK` clipped to
@@ -412,16 +515,28 @@ unsafe fn blocks_into(
     (rows, inp, out): (usize, usize, usize),
     (j0, j1): (usize, usize),
     half_x: bool,
-    y: &mut [MaybeUninit<f32>],
+    y: Dst,
     ldy: usize,
 ) {
     let klen = k_len(inp, cw);
     let kt = e_pad(inp) / TK;
     let tiles = rows.div_ceil(TM);
-    assert!(y.len() >= (rows - 1) * ldy + ((j1 * BK).min(out) - j0 * BK));
+    assert!(y.len >= (rows - 1) * ldy + ((j1 * BK).min(out) - j0 * BK));
     assert!(bp.is_none_or(|b| b.len() >= j1 * BK));
-    let mut scratch = AVec::<f32>::new(2 * TM * SLD);
-    let yp = y.as_mut_ptr() as *mut f32;
+    // Two scratch blocks: the rows of a tile stored through one are written out (copied
+    // or rounded) while the tile unit runs the next tile's products into the other.
+    let mut scratch = AVec::<f32>::new(2 * 2 * TM * SLD);
+    let bufs = [scratch.as_mut_ptr(), scratch.as_mut_ptr().add(2 * TM * SLD)];
+    let mut cur = 0;
+    // The tile waiting in `bufs[i]`: `(at, nr, nc, i)`.
+    let mut pending: Option<(usize, usize, usize, usize)> = None;
+    let write_out = |(at, nr, nc, i): (usize, usize, usize, usize)| {
+        for r in 0..nr {
+            // SAFETY: `bufs[i]` holds `nr` rows of `nc ≤ 2·NR` floats stored by the tile
+            // unit, `SLD` apart.
+            y.put(at + r * ldy, std::slice::from_raw_parts(bufs[i].add(r * SLD), nc));
+        }
+    };
     amx::configure();
     for j in j0..j1 {
         let o0 = j * BK;
@@ -437,24 +552,34 @@ unsafe fn blocks_into(
             let x = (sx.data.as_ptr().add(r0 * sx.ld), sx.cs, sx.ld, sx.comps, cx_lo);
             let w = (kb.add(p * kt * TILE), klen / cw, cw);
             let at = r0 * ldy + o0 - j0 * BK + c0;
-            if nr == rtiles * TM && nc == panels * NR {
+            let whole = nr == rtiles * TM && nc == panels * NR;
+            if let (true, Some(yp)) = (whole, y.f32_at(at)) {
                 // Ask for the output's lines for writing (`prefetchw`) before the
                 // products, so that the tile stores do not wait for them. In one process,
                 // alternating, two readings of five products (kernel notes): −11.5% to
                 // +2.3%, eight of the ten faster.
                 for r in 0..rtiles * TM {
-                    let line = yp.add(at + r * ldy) as *const i8;
+                    let line = yp.add(r * ldy) as *const i8;
                     _mm_prefetch::<_MM_HINT_ET0>(line);
                     if panels == 2 {
                         _mm_prefetch::<_MM_HINT_ET0>(line.add(64));
                     }
                 }
-                amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (yp.add(at), ldy));
+                let mut before = || {
+                    if let Some(t) = pending.take() {
+                        write_out(t);
+                    }
+                };
+                amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (yp, ldy), &mut before);
             } else {
-                amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (scratch.as_mut_ptr(), SLD));
-                for r in 0..nr {
-                    std::ptr::copy_nonoverlapping(scratch.as_ptr().add(r * SLD), yp.add(at + r * ldy), nc);
-                }
+                let mut before = || {
+                    if let Some(t) = pending.take() {
+                        write_out(t);
+                    }
+                };
+                amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (bufs[cur], SLD), &mut before);
+                pending = Some((at, nr, nc, cur));
+                cur ^= 1;
             }
         };
         // Each pair of row tiles takes the block's panel pairs in turn, so that its x
@@ -469,10 +594,20 @@ unsafe fn blocks_into(
             rt += 2;
         }
     }
+    if let Some(t) = pending.take() {
+        write_out(t);
+    }
     amx::release();
+    let cols = (j1 * BK).min(out) - j0 * BK;
+    let mut row = vec![MaybeUninit::<f32>::uninit(); cols];
     for &r in &sx.bad {
         let x = &xs[r * inp..(r + 1) * inp];
-        dot_row(x, (wp, cw), bv, out, (j0, j1), &mut y[r * ldy..]);
+        dot_row(x, (wp, cw), bv, out, (j0, j1), &mut row);
+        // SAFETY: `dot_row` wrote all `cols` elements.
+        y.put(
+            r * ldy,
+            std::mem::transmute::<&[MaybeUninit<f32>], &[f32]>(&row[..]),
+        );
     }
 }
 
@@ -543,7 +678,7 @@ mod tests {
     ) -> Vec<f32> {
         let mut y = vec![MaybeUninit::<f32>::uninit(); dims.0 * dims.2];
         // SAFETY: `enabled` was checked by the callers, and `pack` returned true.
-        unsafe { product(x, (&w.0, w.1), b, dims, half_x, &mut y) };
+        unsafe { product(x, (&w.0, w.1), b, dims, half_x, Rows::F32(&mut y)) };
         // SAFETY: `product` writes every element.
         y.into_iter().map(|v| unsafe { v.assume_init() }).collect()
     }
@@ -678,6 +813,66 @@ mod tests {
         Ok(())
     }
 
+    /// Rows rounded by the product ([`Rows::Half`]) are, bit for bit, its f32 rows cast
+    /// by candle: bf16 and f16 weights and outputs, f32 and half-precision inputs, both
+    /// schedules (a few rows by columns, and row blocks), partial row tiles, panels and
+    /// blocks, a bias, and rows with ±inf and NaN (recomputed by dot products).
+    #[test]
+    fn rounded_rows_are_candles_casts_of_the_f32_rows() -> Result<(), candle::Error> {
+        if !enabled() {
+            eprintln!("no AMX tile unit here: nothing to check");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        for (rows, inp, out) in [(5, 96, 70), (40, 100, 130), (300, 64, 64)] {
+            for wdt in [DType::BF16, DType::F16] {
+                let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?.to_dtype(wdt)?;
+                let pw = packed(&w);
+                let b: Vec<f32> = (0..out).map(|o| o as f32 * 0.125 - 4.0).collect();
+                for (xdt, half_x) in [(DType::F32, false), (wdt, true)] {
+                    let mut xv = Tensor::randn(0f32, 3.0, (rows, inp), &dev)?
+                        .to_dtype(xdt)?
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    xv[inp + 3] = f32::INFINITY;
+                    xv[3 * inp + 5] = f32::NAN;
+                    let f32_rows = run(&xv, &pw, Some(&b), (rows, inp, out), half_x);
+                    for dt in [DType::BF16, DType::F16] {
+                        let want = Tensor::from_vec(f32_rows.clone(), rows * out, &dev)?.to_dtype(dt)?;
+                        let want: Vec<u16> = match dt {
+                            DType::BF16 => want
+                                .to_vec1::<half::bf16>()?
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect(),
+                            _ => want.to_vec1::<half::f16>()?.iter().map(|v| v.to_bits()).collect(),
+                        };
+                        let mut y = vec![MaybeUninit::<u16>::uninit(); rows * out];
+                        // SAFETY: `enabled` returned true, and `pack` returned true.
+                        unsafe {
+                            product(
+                                &xv,
+                                (&pw.0, pw.1),
+                                Some(&b),
+                                (rows, inp, out),
+                                half_x,
+                                Rows::Half(&mut y, dt),
+                            )
+                        };
+                        // SAFETY: `product` writes every element.
+                        let got: Vec<u16> = y.into_iter().map(|v| unsafe { v.assume_init() }).collect();
+                        assert_eq!(
+                            got, want,
+                            "{rows}x{inp}x{out} weight {wdt:?}, x {xdt:?}, rounded to {dt:?}"
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Rows of x that are exactly bf16 values split into one component, f16 values into
     /// two, other f32 values into three; and multiplying the zero components too (all
     /// three) gives the same bits as skipping them.
@@ -713,7 +908,7 @@ mod tests {
                             (rows, inp, out),
                             blocks,
                             false,
-                            &mut y,
+                            Dst::f32(&mut y),
                             out,
                         )
                     };
@@ -760,7 +955,7 @@ mod tests {
             }
             let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
             // SAFETY: as above, and `pack` returned true.
-            unsafe { product(&xv, (&wp, 1), None, (rows, inp, out), false, &mut y) };
+            unsafe { product(&xv, (&wp, 1), None, (rows, inp, out), false, Rows::F32(&mut y)) };
             for r in 0..rows {
                 for o in 0..out {
                     // SAFETY: `product` writes every element.

@@ -78,6 +78,21 @@ fn cast<S: Sync, D: Send>(src: &[S], isa: Isa, convert: Conversion<S, D>) -> Vec
     out
 }
 
+/// `dst[i] = src[i]` rounded to `dtype` (bf16 or f16) with AVX-512, bit for bit as
+/// [`to_dtype`] rounds it: for products that write half-precision rows themselves
+/// (`amx_linear`).
+///
+/// # Safety
+/// AVX-512F is available, and `dst` is valid for `src.len()` writes.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn round_avx512(dtype: DType, dst: *mut u16, src: &[f32]) {
+    match dtype {
+        DType::BF16 => x86::to_bf16(dst.cast(), src),
+        DType::F16 => super::avx512::store_f16(dst.cast(), src, 1.0),
+        _ => unreachable!("round_avx512 rounds to bf16 or f16, not {dtype:?}"),
+    }
+}
+
 /// A cast of a chunk on an instruction set: `dst` (of `src.len()` elements) all written.
 type Conversion<S, D> = fn(Isa, &mut [MaybeUninit<D>], &[S]);
 
