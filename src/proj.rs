@@ -113,7 +113,7 @@ impl Proj {
     /// `half_x`: x holds f16/bf16 values (the input before its cast to `cd`); an f16
     /// weight's products on the tile unit then skip `lo · lo` (see [`Proj`]). The
     /// result is returned in `out`, rounded from `cd` as `cast::to_dtype` rounds (the
-    /// tile unit's products write bf16/f16 rows themselves, with the same bits).
+    /// tile unit's products write bf16 rows themselves, with the same bits).
     fn matmul_bias(
         &self,
         x: &Tensor,
