@@ -337,22 +337,17 @@ pub(crate) unsafe fn product(
             );
         }
     };
-    match y {
-        Rows::F32(y) => par::vec_for_each(
-            par::row_blocks(y, (rows, out), TM, ROWS)
-                .into_iter()
-                .map(|(r0, ys)| (r0, Dst::f32(ys)))
-                .collect(),
-            block,
-        ),
-        Rows::Half(y, dt) => par::vec_for_each(
-            par::row_blocks(y, (rows, out), TM, ROWS)
-                .into_iter()
-                .map(|(r0, ys)| (r0, Dst::half(ys, dt)))
-                .collect(),
-            block,
-        ),
-    }
+    let blocks: Vec<(usize, Dst)> = match y {
+        Rows::F32(y) => par::row_blocks(y, (rows, out), TM, ROWS)
+            .into_iter()
+            .map(|(r0, ys)| (r0, Dst::f32(ys)))
+            .collect(),
+        Rows::Half(y, dt) => par::row_blocks(y, (rows, out), TM, ROWS)
+            .into_iter()
+            .map(|(r0, ys)| (r0, Dst::half(ys, dt)))
+            .collect(),
+    };
+    par::vec_for_each(blocks, block);
 }
 
 /// Where [`product`] writes its `rows · out` results (row-major), all of them.
@@ -387,7 +382,6 @@ struct Dst {
 // SAFETY: a `Dst` is made from a `&mut` slice that the thread holding it writes alone
 // (`row_blocks` and the column parts hand out disjoint runs).
 unsafe impl Send for Dst {}
-unsafe impl Sync for Dst {}
 
 impl Dst {
     fn f32(y: &mut [MaybeUninit<f32>]) -> Self {
@@ -553,31 +547,32 @@ unsafe fn blocks_into(
             let w = (kb.add(p * kt * TILE), klen / cw, cw);
             let at = r0 * ldy + o0 - j0 * BK + c0;
             let whole = nr == rtiles * TM && nc == panels * NR;
-            if let (true, Some(yp)) = (whole, y.f32_at(at)) {
-                // Ask for the output's lines for writing (`prefetchw`) before the
-                // products, so that the tile stores do not wait for them. In one process,
-                // alternating, two readings of five products (kernel notes): −11.5% to
-                // +2.3%, eight of the ten faster.
-                for r in 0..rtiles * TM {
-                    let line = yp.add(r * ldy) as *const i8;
-                    _mm_prefetch::<_MM_HINT_ET0>(line);
-                    if panels == 2 {
-                        _mm_prefetch::<_MM_HINT_ET0>(line.add(64));
+            // Whole tiles of an f32 output in place, the rest through a scratch block.
+            let in_place = if whole { y.f32_at(at) } else { None };
+            let dst = match in_place {
+                Some(yp) => {
+                    // Ask for the output's lines for writing (`prefetchw`) before the
+                    // products, so that the tile stores do not wait for them. In one
+                    // process, alternating, two readings of five products (kernel notes):
+                    // −11.5% to +2.3%, eight of the ten faster.
+                    for r in 0..rtiles * TM {
+                        let line = yp.add(r * ldy) as *const i8;
+                        _mm_prefetch::<_MM_HINT_ET0>(line);
+                        if panels == 2 {
+                            _mm_prefetch::<_MM_HINT_ET0>(line.add(64));
+                        }
                     }
+                    (yp, ldy)
                 }
-                let mut before = || {
-                    if let Some(t) = pending.take() {
-                        write_out(t);
-                    }
-                };
-                amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (yp, ldy), &mut before);
-            } else {
-                let mut before = || {
-                    if let Some(t) = pending.take() {
-                        write_out(t);
-                    }
-                };
-                amx::gemm_tiles(x, w, kt, (rtiles, panels), init, (bufs[cur], SLD), &mut before);
+                None => (bufs[cur], SLD),
+            };
+            let mut before = || {
+                if let Some(t) = pending.take() {
+                    write_out(t);
+                }
+            };
+            amx::gemm_tiles(x, w, kt, (rtiles, panels), init, dst, &mut before);
+            if in_place.is_none() {
                 pending = Some((at, nr, nc, cur));
                 cur ^= 1;
             }
@@ -598,6 +593,9 @@ unsafe fn blocks_into(
         write_out(t);
     }
     amx::release();
+    if sx.bad.is_empty() {
+        return;
+    }
     let cols = (j1 * BK).min(out) - j0 * BK;
     let mut row = vec![MaybeUninit::<f32>::uninit(); cols];
     for &r in &sx.bad {
