@@ -126,6 +126,7 @@ impl Proj {
         {
             use crate::kernels::cpu::linear::{
                 applies, applies_in_place, applies_packed, linear, linear_in_place, linear_packed,
+                one_row_on_pack,
             };
             if applies(x, w) {
                 return match self.kept_pack(false, x.dim(0)?, half_x)? {
@@ -139,10 +140,14 @@ impl Proj {
             // single row against an f16/bf16 weight reads it in place even with a pack:
             // half the bytes of the f32 pack (on the Zen 4 VM, 1×4096×4096 with a bf16
             // weight: 0.86 ms in place, 1.47–1.51 ms on the pack; with 4 rows the pack
-            // was faster, 1.46–1.54 against 2.23–2.31 ms).
+            // was faster, 1.46–1.54 against 2.23–2.31 ms), unless the pack is the bf16
+            // one of AVX512-BF16 register tiles (`one_row_on_pack`).
             if applies_packed(x, w) {
                 let in_place = applies_in_place(x, w);
-                let half_row = in_place && x.dim(0)? == 1 && w.dtype() != DType::F32;
+                let half_row = in_place
+                    && x.dim(0)? == 1
+                    && w.dtype() != DType::F32
+                    && !one_row_on_pack(w.dtype(), half_x);
                 if !half_row {
                     // The pack is made on the first such call, so that every call of
                     // these rows runs the same product and gives the same result.

@@ -27,7 +27,8 @@
 //!   runs its f32 product instead.
 
 use super::aligned::AVec;
-use super::amx;
+use super::amx::{self, Unit};
+use super::dpbf16;
 use super::par;
 use super::tiles::{BK, NR};
 use super::view::{Data, View};
@@ -68,13 +69,24 @@ pub(crate) fn weight_comps(dtype: DType) -> Option<usize> {
 /// −41% to +7%. An f32 x would need six tile products per step, exact, and
 /// 1024×768×2304 took 2–26% more time that way than on the f32 product, so an f32 x
 /// keeps the f32 product.
+///
+/// Without AMX, on AVX512-BF16 register tiles (`VDPBF16PS`, AMD Zen 4 and later), a bf16
+/// weight runs here against a half-precision x of any number of rows: a bf16 x is one
+/// component, so each `VDPBF16PS` does the work of two f32 FMAs, and the pack is half
+/// the bytes of the f32 product's. On the Zen 4 VM (2026-12-06) that ran 1024×768×2304
+/// at 360–370 GFLOP/s against 186–194 on the f32 product, and 1–16 rows against a kept
+/// pack 1.5–4 times faster (kernel notes). An f32 x would be three components (1.5
+/// times the f32 product's work), and an f16 weight two, so they keep the f32 product.
 pub(crate) fn runs(dtype: DType, rows: usize, half_x: bool) -> bool {
-    let here = match dtype {
-        DType::BF16 => true,
-        DType::F16 => half_x && rows >= F16_ROWS,
-        _ => false,
-    };
-    here && enabled()
+    match unit() {
+        Some(Unit::Tiles) => match dtype {
+            DType::BF16 => true,
+            DType::F16 => half_x && rows >= F16_ROWS,
+            _ => false,
+        },
+        Some(Unit::Avx512Bf16) => dtype == DType::BF16 && half_x,
+        None => false,
+    }
 }
 
 /// Fewest rows whose products against an f16 weight run here ([`runs`]). Fewer rows
@@ -84,9 +96,12 @@ pub(crate) fn runs(dtype: DType, rows: usize, half_x: bool) -> bool {
 /// faster (kernel notes).
 pub(crate) const F16_ROWS: usize = TM;
 
-/// Whether the AMX tile unit is enabled (see [`runs`]).
-pub(crate) fn enabled() -> bool {
-    super::amx_enabled()
+/// What runs the products here (read per call): the unit that runs the attention
+/// kernel's bf16 block products (`kernels::cpu::amx_plan`), the AMX tile unit where it
+/// is enabled, else AVX512-BF16 register tiles where they are (`CANDLE_ATTENTION_AMX`
+/// and `CANDLE_ATTENTION_AVX512BF16` set to `0` turn them off); `None` without either.
+pub(crate) fn unit() -> Option<Unit> {
+    super::amx_plan(DType::BF16, super::isa::Isa::selected()).map(|p| p.unit)
 }
 
 /// `u16` elements of the pack of an `(out, in)` weight of `comps` components.
@@ -99,7 +114,8 @@ pub(crate) fn pack_len((out, inp): (usize, usize), comps: usize) -> usize {
 /// every weight is finite; when it returns false the pack must not be used.
 ///
 /// # Safety
-/// [`enabled`] returned true (AVX-512F and AVX512-BF16 are available).
+/// [`unit`] returned a unit (AVX-512F and AVX512-BF16 are available: both units need
+/// them, and the packs and the split of x use them too).
 pub(crate) unsafe fn pack(wd: Data, (out, inp): (usize, usize), comps: usize, dst: &mut [u16]) -> bool {
     assert_eq!(dst.len(), pack_len((out, inp), comps));
     let view = View {
@@ -300,9 +316,31 @@ unsafe fn split_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX {
 /// the bits of `cast::to_dtype`, so that a half-precision layer need not write f32 rows
 /// and read them back to round them.
 ///
+/// The products run on [`unit`] (on AVX512-BF16 register tiles if another thread has
+/// turned both units off since the caller's check): both give the same products, summed
+/// in different orders.
+///
 /// # Safety
-/// [`enabled`] returned true, and [`pack`] returned true for `wp`.
+/// [`unit`] returned a unit, and [`pack`] returned true for `wp`.
 pub(crate) unsafe fn product(
+    xv: &[f32],
+    (wp, cw): (&[u16], usize),
+    bv: Option<&[f32]>,
+    dims: (usize, usize, usize),
+    half_x: bool,
+    y: Rows,
+) {
+    let unit = unit().unwrap_or(Unit::Avx512Bf16);
+    product_on(unit, xv, (wp, cw), bv, dims, half_x, y)
+}
+
+/// [`product`] on `unit`.
+///
+/// # Safety
+/// As for [`product`], and `unit` is available ([`amx::available`] for the tile unit).
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_on(
+    unit: Unit,
     xv: &[f32],
     (wp, cw): (&[u16], usize),
     bv: Option<&[f32]>,
@@ -316,7 +354,7 @@ pub(crate) unsafe fn product(
         return;
     }
     if rows.div_ceil(TM) < par::threads() {
-        return product_by_columns(xv, (wp, cw), bv, (rows, inp, out), half_x, y);
+        return product_by_columns(unit, xv, (wp, cw), bv, (rows, inp, out), half_x, y);
     }
     let bp = padded_bias(bv, out);
     let block = |(r0, ys): (usize, Dst)| {
@@ -331,7 +369,7 @@ pub(crate) unsafe fn product(
                 (bv, bp.as_deref()),
                 (n, inp, out),
                 (0, out.div_ceil(BK)),
-                half_x,
+                (unit, half_x),
                 ys,
                 out,
             );
@@ -439,6 +477,7 @@ fn padded_bias(bv: Option<&[f32]>, out: usize) -> Option<AVec<f32>> {
 /// # Safety
 /// As for [`product`].
 unsafe fn product_by_columns(
+    unit: Unit,
     xv: &[f32],
     (wp, cw): (&[u16], usize),
     bv: Option<&[f32]>,
@@ -469,7 +508,7 @@ unsafe fn product_by_columns(
                 (bv, bp.as_deref()),
                 (rows, inp, out),
                 (*j0, *j1),
-                half_x,
+                (unit, half_x),
                 Dst::f32(buf),
                 cols,
             )
@@ -494,13 +533,12 @@ unsafe fn product_by_columns(
 /// Output blocks `j0..j1` ([`BK`] outputs each) of the `rows` rows of `xs` (row-major,
 /// split into `sx`), plus the bias (`bp`: padded with zeros to whole blocks), into `y`
 /// (row stride `ldy`; block `j0` at column 0), all written, with `half_x` as in
-/// [`product`]. Whole tiles of an f32 output are stored in place; the last row tile, a
-/// partial last panel and every tile of a rounded output go through a scratch tile.
-/// Rows in `sx.bad` are recomputed by [`dot_row`].
+/// [`product`], on `unit` ([`tile_blocks`] or [`pair_blocks`]). Rows in `sx.bad` are
+/// recomputed by [`dot_row`].
 ///
 /// # Safety
-/// As for [`product`]; `y` holds `rows` rows of stride `ldy ≥ (j1 − j0)·BK` clipped to
-/// `out`.
+/// As for [`product_on`]; `y` holds `rows` rows of stride `ldy ≥ (j1 − j0)·BK` clipped
+/// to `out`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn blocks_into(
     (xs, sx): (&[f32], &SplitX),
@@ -508,15 +546,55 @@ unsafe fn blocks_into(
     (bv, bp): (Option<&[f32]>, Option<&[f32]>),
     (rows, inp, out): (usize, usize, usize),
     (j0, j1): (usize, usize),
-    half_x: bool,
+    (unit, half_x): (Unit, bool),
     y: Dst,
     ldy: usize,
 ) {
+    assert!(y.len >= (rows - 1) * ldy + ((j1 * BK).min(out) - j0 * BK));
+    assert!(bp.is_none_or(|b| b.len() >= j1 * BK));
+    let blocks = (sx, (wp, cw), bp, (rows, inp, out), (j0, j1), half_x);
+    match unit {
+        Unit::Tiles => tile_blocks(blocks, y, ldy),
+        Unit::Avx512Bf16 => pair_blocks(blocks, y, ldy),
+    }
+    if sx.bad.is_empty() {
+        return;
+    }
+    let cols = (j1 * BK).min(out) - j0 * BK;
+    let mut row = vec![MaybeUninit::<f32>::uninit(); cols];
+    for &r in &sx.bad {
+        let x = &xs[r * inp..(r + 1) * inp];
+        dot_row(x, (wp, cw), bv, out, (j0, j1), &mut row);
+        // SAFETY: `dot_row` wrote all `cols` elements.
+        y.put(
+            r * ldy,
+            std::mem::transmute::<&[MaybeUninit<f32>], &[f32]>(&row[..]),
+        );
+    }
+}
+
+/// The operands of [`tile_blocks`] and [`pair_blocks`]: x split, the pack and its
+/// components, the padded bias, `(rows, in, out)`, the output blocks `j0..j1`, and
+/// `half_x`.
+type Blocks<'a> = (
+    &'a SplitX,
+    (&'a [u16], usize),
+    Option<&'a [f32]>,
+    (usize, usize, usize),
+    (usize, usize),
+    bool,
+);
+
+/// [`blocks_into`] on the AMX tile unit, but for the rows in `sx.bad`. Whole tiles of an
+/// f32 output are stored in place; the last row tile, a partial last panel and every
+/// tile of a rounded output go through a scratch tile.
+///
+/// # Safety
+/// As for [`blocks_into`], with the tile unit available.
+unsafe fn tile_blocks((sx, (wp, cw), bp, (rows, inp, out), (j0, j1), half_x): Blocks, y: Dst, ldy: usize) {
     let klen = k_len(inp, cw);
     let kt = e_pad(inp) / TK;
     let tiles = rows.div_ceil(TM);
-    assert!(y.len >= (rows - 1) * ldy + ((j1 * BK).min(out) - j0 * BK));
-    assert!(bp.is_none_or(|b| b.len() >= j1 * BK));
     // Two scratch blocks: the rows of a tile stored through one are written out (copied
     // or rounded) while the tile unit runs the next tile's products into the other.
     let mut scratch = AVec::<f32>::new(2 * 2 * TM * SLD);
@@ -593,19 +671,49 @@ unsafe fn blocks_into(
         write_out(t);
     }
     amx::release();
-    if sx.bad.is_empty() {
-        return;
-    }
-    let cols = (j1 * BK).min(out) - j0 * BK;
-    let mut row = vec![MaybeUninit::<f32>::uninit(); cols];
-    for &r in &sx.bad {
-        let x = &xs[r * inp..(r + 1) * inp];
-        dot_row(x, (wp, cw), bv, out, (j0, j1), &mut row);
-        // SAFETY: `dot_row` wrote all `cols` elements.
-        y.put(
-            r * ldy,
-            std::mem::transmute::<&[MaybeUninit<f32>], &[f32]>(&row[..]),
-        );
+}
+
+/// Rows of x per call of [`dpbf16::gemm`] in [`pair_blocks`] (one register strip).
+const STRIP: usize = 6;
+
+/// [`blocks_into`] on AVX512-BF16 register tiles ([`dpbf16::gemm`]), but for the rows in
+/// `sx.bad`: for each output block, strips of [`STRIP`] rows, so that the block's
+/// weights are read from L2 by every strip of the rows. Whole blocks of an f32 output are
+/// stored in place; a partial last block and a rounded output go through a scratch strip.
+///
+/// # Safety
+/// As for [`blocks_into`], with AVX512-BF16 available.
+unsafe fn pair_blocks((sx, (wp, cw), bp, (rows, inp, out), (j0, j1), half_x): Blocks, y: Dst, ldy: usize) {
+    let klen = k_len(inp, cw);
+    let pairs = e_pad(inp) / 2;
+    // As on the tile unit: the components of W after the first meet x's first only
+    // with `half_x`.
+    let cx_lo = if half_x { 1 } else { sx.comps };
+    let terms: Vec<(usize, usize)> = (0..cw)
+        .flat_map(|cb| (0..if cb == 0 { sx.comps } else { cx_lo }).map(move |ca| (ca, cb)))
+        .collect();
+    let mut scratch = AVec::<f32>::new(STRIP * BK);
+    for j in j0..j1 {
+        let o0 = j * BK;
+        let nout = BK.min(out - o0);
+        let w = (wp[j * klen..(j + 1) * klen].as_ptr(), klen / cw);
+        let init = bp.map_or(std::ptr::null(), |b| b[o0..].as_ptr());
+        let mut r0 = 0;
+        while r0 < rows {
+            let nr = (rows - r0).min(STRIP);
+            let x = (sx.data.as_ptr().add(r0 * sx.ld), sx.cs, sx.ld);
+            let at = r0 * ldy + o0 - j0 * BK;
+            match y.f32_at(at).filter(|_| nout == BK) {
+                Some(yp) => dpbf16::gemm(x, w, pairs, &terms, nr, init, (yp, ldy)),
+                None => {
+                    dpbf16::gemm(x, w, pairs, &terms, nr, init, (scratch.as_mut_ptr(), BK));
+                    for r in 0..nr {
+                        y.put(at + r * ldy, &scratch[r * BK..r * BK + nout]);
+                    }
+                }
+            }
+            r0 += nr;
+        }
     }
 }
 
@@ -643,6 +751,24 @@ mod tests {
     use super::*;
     use candle::{Device, Tensor};
 
+    /// Whether the products here run on this machine.
+    fn enabled() -> bool {
+        unit().is_some()
+    }
+
+    /// The units that can run the products on this machine: the AMX tile unit where it
+    /// is available, and AVX512-BF16 register tiles (which every CPU with AMX has too).
+    fn units() -> Vec<Unit> {
+        let mut units = Vec::new();
+        if amx::available() {
+            units.push(Unit::Tiles);
+        }
+        if dpbf16::available() {
+            units.push(Unit::Avx512Bf16);
+        }
+        units
+    }
+
     /// `w (out, in)` (bf16 or f16) packed here: the pack, its components, and whether
     /// `pack` found every weight finite. Callers check [`enabled`] first.
     fn pack_tensor(w: &Tensor) -> (AVec<u16>, usize, bool) {
@@ -667,7 +793,9 @@ mod tests {
         (wp, cw)
     }
 
+    /// [`product_on`] `unit` (one of [`units`]) into f32 rows.
     fn run(
+        unit: Unit,
         x: &[f32],
         w: &(AVec<u16>, usize),
         b: Option<&[f32]>,
@@ -675,8 +803,8 @@ mod tests {
         half_x: bool,
     ) -> Vec<f32> {
         let mut y = vec![MaybeUninit::<f32>::uninit(); dims.0 * dims.2];
-        // SAFETY: `enabled` was checked by the callers, and `pack` returned true.
-        unsafe { product(x, (&w.0, w.1), b, dims, half_x, Rows::F32(&mut y)) };
+        // SAFETY: `unit` is available, and `pack` returned true.
+        unsafe { product_on(unit, x, (&w.0, w.1), b, dims, half_x, Rows::F32(&mut y)) };
         // SAFETY: `product` writes every element.
         y.into_iter().map(|v| unsafe { v.assume_init() }).collect()
     }
@@ -688,8 +816,9 @@ mod tests {
     /// partial output panels and blocks, contraction tails, with and without bias.
     #[test]
     fn products_match_f64() -> Result<(), candle::Error> {
-        if !enabled() {
-            eprintln!("no AMX tile unit here: nothing to check");
+        let units = units();
+        if units.is_empty() {
+            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
             return Ok(());
         }
         let dev = Device::Cpu;
@@ -719,11 +848,12 @@ mod tests {
                     } else {
                         &[false, true]
                     };
-                    for (bias, &half_x) in [None, Some(&b[..])]
+                    for (bias, &half_x, &unit) in [None, Some(&b[..])]
                         .into_iter()
                         .flat_map(|b| modes.iter().map(move |h| (b, h)))
+                        .flat_map(|(b, h)| units.iter().map(move |u| (b, h, u)))
                     {
-                        let got = run(&xv, &pw, bias, (rows, inp, out), half_x);
+                        let got = run(unit, &xv, &pw, bias, (rows, inp, out), half_x);
                         for r in 0..rows {
                             for o in 0..out {
                                 let (x, w) = (&xv[r * inp..(r + 1) * inp], &wv[o]);
@@ -733,7 +863,7 @@ mod tests {
                                 let g = got[r * out + o] as f64;
                                 assert!(
                                     (g - want).abs() <= 5e-7 * size,
-                                    "{rows}x{inp}x{out} w {wdt:?} x {xdt:?} half_x {half_x} ({r}, {o}): {g} vs {want}"
+                                    "{unit:?} {rows}x{inp}x{out} w {wdt:?} x {xdt:?} half_x {half_x} ({r}, {o}): {g} vs {want}"
                                 );
                             }
                         }
@@ -742,7 +872,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 120);
+        assert_eq!(checked, 120 * units.len());
         Ok(())
     }
 
@@ -754,15 +884,16 @@ mod tests {
         (0..x.len()).map(|k| x[k] as f64 * w[k] as f64 - lo_lo(k)).sum()
     }
 
-    /// On the tile unit, an f16 weight against half-precision inputs skips exactly the
+    /// On each unit, an f16 weight against half-precision inputs skips exactly the
     /// `lo·lo` products, and against other inputs runs them all. The values are chosen
     /// so that the skipped terms add up (`1 + 3·2⁻⁹` is `(1 + 2⁻⁷) − 2⁻⁹` in bf16 parts:
     /// every `lo·lo` is `+2⁻¹⁸`), and the two sums lie further apart than the f32 sums'
     /// rounding.
     #[test]
     fn half_inputs_skip_only_the_low_parts_products() -> Result<(), candle::Error> {
-        if !enabled() {
-            eprintln!("no AMX tile unit here: nothing to check");
+        let units = units();
+        if units.is_empty() {
+            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
             return Ok(());
         }
         let dev = Device::Cpu;
@@ -784,26 +915,40 @@ mod tests {
             let pw = packed(&w);
             assert_eq!(pw.1, 2);
             let xv = v(rows * inp, 7);
-            for half_x in [false, true] {
-                let got = run(&xv, &pw, None, (rows, inp, out), half_x);
+            for &unit in &units {
+                // Without and with `half_x`.
+                let got = [false, true].map(|h| run(unit, &xv, &pw, None, (rows, inp, out), h));
                 for r in 0..rows {
                     for o in 0..out {
                         let (x, w) = (&xv[r * inp..(r + 1) * inp], &wv[o * inp..(o + 1) * inp]);
-                        let want = product_f64(x, w, half_x);
-                        let other = product_f64(x, w, !half_x);
+                        let want = [false, true].map(|h| product_f64(x, w, h));
                         let size = (0..inp).map(|k| (x[k] as f64 * w[k] as f64).abs()).sum::<f64>();
-                        let (g, tol) = (got[r * out + o] as f64, 5e-7 * size);
-                        assert!(
-                            (want - other).abs() > 4.0 * tol,
-                            "the case cannot tell them apart"
-                        );
-                        assert!(
-                            (g - want).abs() <= tol,
-                            "{rows}x{inp}x{out} half_x {half_x} ({r}, {o}): {g} vs {want} (other {other})"
-                        );
-                        // The bound that `product` states for the skipped terms.
-                        let exact = product_f64(x, w, false);
-                        assert!((g - exact).abs() <= size * (2f64.powi(-16) + 5e-7));
+                        let g = got.each_ref().map(|g| g[r * out + o] as f64);
+                        let case = format!("{unit:?} {rows}x{inp}x{out} ({r}, {o}): {g:?} vs {want:?}");
+                        // The tile unit sums each tile's 32 products before it rounds. The
+                        // register tiles round twice per pair, in order (an f32 product's
+                        // rounding count); every term of these sums has the same sign, so
+                        // their roundings pile up: bound them as `inp` roundings of the
+                        // whole sum, and check the skip on the difference of the two calls,
+                        // whose first-pair sums are the same (`dpbf16::gemm`).
+                        let tol = match unit {
+                            Unit::Tiles => 5e-7 * size,
+                            Unit::Avx512Bf16 => (inp + 2) as f64 * 2f64.powi(-24) * size,
+                        };
+                        for h in 0..2 {
+                            assert!((g[h] - want[h]).abs() <= tol, "half_x {}: {case}", h == 1);
+                            // The bound that `product` states for the skipped terms.
+                            assert!((g[h] - want[0]).abs() <= size * 2f64.powi(-16) + tol, "{case}");
+                        }
+                        let lo_lo = want[0] - want[1];
+                        match unit {
+                            Unit::Tiles => {
+                                assert!(lo_lo.abs() > 4.0 * tol, "the case cannot tell them apart")
+                            }
+                            Unit::Avx512Bf16 => {
+                                assert!(((g[0] - g[1]) - lo_lo).abs() <= 0.25 * lo_lo.abs(), "{case}")
+                            }
+                        }
                     }
                 }
             }
@@ -817,8 +962,9 @@ mod tests {
     /// blocks, a bias, and rows with ±inf and NaN (recomputed by dot products).
     #[test]
     fn rounded_rows_are_candles_casts_of_the_f32_rows() -> Result<(), candle::Error> {
-        if !enabled() {
-            eprintln!("no AMX tile unit here: nothing to check");
+        let units = units();
+        if units.is_empty() {
+            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
             return Ok(());
         }
         let dev = Device::Cpu;
@@ -827,7 +973,10 @@ mod tests {
                 let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?.to_dtype(wdt)?;
                 let pw = packed(&w);
                 let b: Vec<f32> = (0..out).map(|o| o as f32 * 0.125 - 4.0).collect();
-                for (xdt, half_x) in [(DType::F32, false), (wdt, true)] {
+                let calls = [(DType::F32, false), (wdt, true)];
+                for ((xdt, half_x), unit) in
+                    calls.into_iter().flat_map(|c| units.iter().map(move |&u| (c, u)))
+                {
                     let mut xv = Tensor::randn(0f32, 3.0, (rows, inp), &dev)?
                         .to_dtype(xdt)?
                         .to_dtype(DType::F32)?
@@ -835,7 +984,7 @@ mod tests {
                         .to_vec1::<f32>()?;
                     xv[inp + 3] = f32::INFINITY;
                     xv[3 * inp + 5] = f32::NAN;
-                    let f32_rows = run(&xv, &pw, Some(&b), (rows, inp, out), half_x);
+                    let f32_rows = run(unit, &xv, &pw, Some(&b), (rows, inp, out), half_x);
                     for dt in [DType::BF16, DType::F16] {
                         let want = Tensor::from_vec(f32_rows.clone(), rows * out, &dev)?.to_dtype(dt)?;
                         let want: Vec<u16> = match dt {
@@ -847,9 +996,10 @@ mod tests {
                             _ => want.to_vec1::<half::f16>()?.iter().map(|v| v.to_bits()).collect(),
                         };
                         let mut y = vec![MaybeUninit::<u16>::uninit(); rows * out];
-                        // SAFETY: `enabled` returned true, and `pack` returned true.
+                        // SAFETY: `unit` is available, and `pack` returned true.
                         unsafe {
-                            product(
+                            product_on(
+                                unit,
                                 &xv,
                                 (&pw.0, pw.1),
                                 Some(&b),
@@ -862,7 +1012,7 @@ mod tests {
                         let got: Vec<u16> = y.into_iter().map(|v| unsafe { v.assume_init() }).collect();
                         assert_eq!(
                             got, want,
-                            "{rows}x{inp}x{out} weight {wdt:?}, x {xdt:?}, rounded to {dt:?}"
+                            "{unit:?} {rows}x{inp}x{out} weight {wdt:?}, x {xdt:?}, rounded to {dt:?}"
                         );
                     }
                 }
@@ -876,8 +1026,9 @@ mod tests {
     /// three) gives the same bits as skipping them.
     #[test]
     fn zero_components_are_skipped_without_changing_a_bit() -> Result<(), candle::Error> {
-        if !enabled() {
-            eprintln!("no AMX tile unit here: nothing to check");
+        let units = units();
+        if units.is_empty() {
+            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
             return Ok(());
         }
         let dev = Device::Cpu;
@@ -894,7 +1045,7 @@ mod tests {
                 // SAFETY: `enabled` returned true.
                 let mut sx = unsafe { split_rows(&xv, inp, rows, inp) };
                 assert_eq!(sx.comps, comps, "{xdt:?}");
-                let run = |sx: &SplitX| {
+                let run = |sx: &SplitX, unit: Unit| {
                     let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
                     let blocks = (0, out.div_ceil(BK));
                     // SAFETY: as above, and `pack` returned true.
@@ -905,7 +1056,7 @@ mod tests {
                             (Some(&b), padded_bias(Some(&b), out).as_deref()),
                             (rows, inp, out),
                             blocks,
-                            false,
+                            (unit, false),
                             Dst::f32(&mut y),
                             out,
                         )
@@ -915,12 +1066,14 @@ mod tests {
                         .map(|v| unsafe { v.assume_init() }.to_bits())
                         .collect::<Vec<_>>()
                 };
-                let skipped = run(&sx);
+                let skipped: Vec<_> = units.iter().map(|&u| run(&sx, u)).collect();
                 // Components the split did not need hold no values: zero them.
                 let cs = sx.cs;
                 sx.data[cs * comps..3 * cs].fill(0);
                 sx.comps = 3;
-                assert_eq!(skipped, run(&sx), "weight {wdt:?}, x {xdt:?}");
+                for (&unit, skipped) in units.iter().zip(skipped) {
+                    assert_eq!(skipped, run(&sx, unit), "{unit:?} weight {wdt:?}, x {xdt:?}");
+                }
             }
         }
         Ok(())
@@ -931,8 +1084,9 @@ mod tests {
     /// finite), in both schedules; the other rows keep the tile products.
     #[test]
     fn rows_that_bf16_cannot_hold_get_f32_products() -> Result<(), candle::Error> {
-        if !enabled() {
-            eprintln!("no AMX tile unit here: nothing to check");
+        let units = units();
+        if units.is_empty() {
+            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
             return Ok(());
         }
         let dev = Device::Cpu;
@@ -940,7 +1094,10 @@ mod tests {
         let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / 20.0)?.to_dtype(DType::BF16)?;
         let wv = w.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let (wp, _) = packed(&w);
-        for rows in [3, 40] {
+        for (rows, &unit) in [3, 40]
+            .into_iter()
+            .flat_map(|r| units.iter().map(move |u| (r, u)))
+        {
             let mut xv = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
@@ -952,8 +1109,18 @@ mod tests {
                 xv[33 * inp + 95] = 3.4e38;
             }
             let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
-            // SAFETY: as above, and `pack` returned true.
-            unsafe { product(&xv, (&wp, 1), None, (rows, inp, out), false, Rows::F32(&mut y)) };
+            // SAFETY: `unit` is available, and `pack` returned true.
+            unsafe {
+                product_on(
+                    unit,
+                    &xv,
+                    (&wp, 1),
+                    None,
+                    (rows, inp, out),
+                    false,
+                    Rows::F32(&mut y),
+                )
+            };
             for r in 0..rows {
                 for o in 0..out {
                     // SAFETY: `product` writes every element.
@@ -964,7 +1131,7 @@ mod tests {
                     } else {
                         got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
                     };
-                    assert!(same, "rows {rows} ({r}, {o}): {got} vs {want}");
+                    assert!(same, "{unit:?} rows {rows} ({r}, {o}): {got} vs {want}");
                 }
             }
         }
@@ -976,7 +1143,7 @@ mod tests {
     #[test]
     fn non_finite_values_leave_one_component_for_bf16_values() {
         if !enabled() {
-            eprintln!("no AMX tile unit here: nothing to check");
+            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
             return;
         }
         let (rows, inp) = (20, 40);
@@ -1007,7 +1174,7 @@ mod tests {
     #[test]
     fn weights_with_non_finite_values_are_refused() -> Result<(), candle::Error> {
         if !enabled() {
-            eprintln!("no AMX tile unit here: nothing to check");
+            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
             return Ok(());
         }
         let dev = Device::Cpu;

@@ -250,6 +250,137 @@ unsafe fn pv_tile<const R: usize, const N: usize>(a: PvArgs) {
     }
 }
 
+/// One output block of a projection (`amx_linear`): `C = init + Σ X_a · W_bᵀ` over the
+/// component pairs `(a, b)` of `terms`, for `rows` rows of x by the [`BK`] outputs of
+/// one weight block packed by `vnni::pack_k` (outputs as keys), the operands of
+/// `amx::gemm_tiles`.
+///
+/// - x (`xa`): row-major bf16 components at stride `xcs`, rows `ldx` apart, `2·pairs`
+///   elements each (zeros past the contraction).
+/// - W (`wb`): components at stride `wcs`; the VNNI row of panel `p` and contraction
+///   pair `pp` at `(p·pairs + pp)·TK`.
+/// - `init`: [`BK`] floats added to every row (the bias), or null for zeros.
+/// - C: f32, all [`BK`] columns of each row, at `y` with rows `ldy` floats apart.
+///
+/// Strips of up to 6 rows × 64 outputs (24 accumulators): each VNNI row loaded serves
+/// the strip's rows, each broadcast pair of x the block's 64 outputs.
+///
+/// Each `VDPBF16PS` rounds twice, so with several pairs in `terms` (the low components
+/// of an f32 or f16 value) the sums would round far more often than an f32 product's.
+/// The pairs after the first (whose components, after x's and W's first, are at most
+/// 2⁻⁸ of their values) are summed first, on their own, and added once to the first
+/// pair's sum, so that their roundings are of a sum 2⁸ times smaller.
+///
+/// # Safety
+/// [`available`] must have returned true; the buffers must hold what is described.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn gemm(
+    (xa, xcs, ldx): (*const u16, usize, usize),
+    (wb, wcs): (*const u16, usize),
+    pairs: usize,
+    terms: &[(usize, usize)],
+    rows: usize,
+    init: *const f32,
+    (y, ldy): (*mut f32, usize),
+) {
+    let mut r0 = 0;
+    while r0 < rows {
+        let nr = (rows - r0).min(MR);
+        let args = GemmArgs {
+            xa: xa.add(r0 * ldx),
+            xcs,
+            ldx,
+            wb,
+            wcs,
+            pairs,
+            terms,
+            init,
+            y: y.add(r0 * ldy),
+            ldy,
+        };
+        match nr {
+            6 => gemm_tile::<6>(args),
+            5 => gemm_tile::<5>(args),
+            4 => gemm_tile::<4>(args),
+            3 => gemm_tile::<3>(args),
+            2 => gemm_tile::<2>(args),
+            _ => gemm_tile::<1>(args),
+        }
+        r0 += nr;
+    }
+}
+
+#[derive(Clone, Copy)]
+struct GemmArgs<'a> {
+    xa: *const u16,
+    xcs: usize,
+    ldx: usize,
+    wb: *const u16,
+    wcs: usize,
+    pairs: usize,
+    terms: &'a [(usize, usize)],
+    init: *const f32,
+    y: *mut f32,
+    ldy: usize,
+}
+
+/// `R` rows of [`gemm`] against the block's four 16-output panels.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn gemm_tile<const R: usize>(a: GemmArgs) {
+    const N: usize = BK / NR;
+    let panel = a.pairs * TK;
+    let start: [__m512; N] = std::array::from_fn(|n| {
+        if a.init.is_null() {
+            _mm512_setzero_ps()
+        } else {
+            _mm512_loadu_ps(a.init.add(n * NR))
+        }
+    });
+    let term = |acc: &mut [[__m512; N]; R], (ca, cb): (usize, usize)| {
+        let (x, w) = (a.xa.add(ca * a.xcs), a.wb.add(cb * a.wcs));
+        for pp in 0..a.pairs {
+            let b: [__m512bh; N] = std::array::from_fn(|n| row(w.add(n * panel + pp * TK)));
+            for (r, accr) in acc.iter_mut().enumerate() {
+                let xp = pair(x, r * a.ldx + 2 * pp);
+                for n in 0..N {
+                    accr[n] = _mm512_dpbf16_ps(accr[n], xp, b[n]);
+                }
+            }
+        }
+    };
+    let Some((&first, rest)) = a.terms.split_first() else {
+        return;
+    };
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
+    if !rest.is_empty() {
+        // The later pairs' sum, parked in C until the first pair's is done.
+        for &t in rest {
+            term(&mut acc, t);
+        }
+        for (r, accr) in acc.iter().enumerate() {
+            for (n, &v) in accr.iter().enumerate() {
+                _mm512_storeu_ps(a.y.add(r * a.ldy + n * NR), v);
+            }
+        }
+    }
+    acc = [start; R];
+    term(&mut acc, first);
+    if !rest.is_empty() {
+        for (r, accr) in acc.iter_mut().enumerate() {
+            for (n, v) in accr.iter_mut().enumerate() {
+                *v = _mm512_add_ps(*v, _mm512_loadu_ps(a.y.add(r * a.ldy + n * NR)));
+            }
+        }
+    }
+    for (r, accr) in acc.iter().enumerate() {
+        for (n, &v) in accr.iter().enumerate() {
+            _mm512_storeu_ps(a.y.add(r * a.ldy + n * NR), v);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -361,6 +492,71 @@ mod tests {
                 o[r * ldo + nvp * NR..(r + 1) * ldo],
                 o0[r * ldo + nvp * NR..(r + 1) * ldo]
             );
+        }
+    }
+
+    /// The projection product against f64 sums over the VNNI layout of `vnni::pack_k`:
+    /// every strip height (1–6 rows, and 13 as 6 + 6 + 1), with and without a bias,
+    /// one pair of components and three (x's `hi` and `lo` against W's `hi`, and x's
+    /// `hi` against W's `lo`, the later two summed apart); columns past the block and
+    /// rows past `rows` are left alone.
+    #[test]
+    fn gemm_follows_the_vnni_layout() {
+        if !available() {
+            eprintln!("note: no AVX512-BF16 here; skipped");
+            return;
+        }
+        let (e, ldy) = (80, BK + 16);
+        let (ep, ldx) = (e_pad(e), e_pad(e) + 32);
+        let pairs = ep / 2;
+        let (xcs, wcs) = (16 * ldx, BK / NR * pairs * TK);
+        let x = values(2 * xcs, 6);
+        let w = values(2 * wcs, 7);
+        let init: Vec<f32> = (0..BK).map(|c| c as f32 * 0.5 - 9.0).collect();
+        let weight = |c: usize, j: usize, d: usize| {
+            val(w[c * wcs + (j / NR) * pairs * TK + (d / 2) * TK + 2 * (j % NR) + d % 2])
+        };
+        let terms: [&[(usize, usize)]; 2] = [&[(0, 0)], &[(0, 0), (1, 0), (0, 1)]];
+        for rows in [1, 2, 3, 4, 5, 6, 13] {
+            for (terms, bias) in terms.into_iter().flat_map(|t| [false, true].map(|b| (t, b))) {
+                let y0: Vec<f32> = (0..16 * ldy).map(|i| (i % 5) as f32 + 100.0).collect();
+                let mut y = y0.clone();
+                let init_ptr = if bias { init.as_ptr() } else { std::ptr::null() };
+                // SAFETY: `available` returned true; the buffers hold the layouts above.
+                unsafe {
+                    gemm(
+                        (x.as_ptr(), xcs, ldx),
+                        (w.as_ptr(), wcs),
+                        pairs,
+                        terms,
+                        rows,
+                        init_ptr,
+                        (y.as_mut_ptr(), ldy),
+                    )
+                };
+                for r in 0..16 {
+                    for j in 0..ldy {
+                        let got = y[r * ldy + j] as f64;
+                        if r >= rows || j >= BK {
+                            assert_eq!(got, y0[r * ldy + j] as f64, "rows {rows}: ({r}, {j}) written");
+                            continue;
+                        }
+                        let dot: f64 = terms
+                            .iter()
+                            .map(|&(a, b)| {
+                                (0..ep)
+                                    .map(|d| val(x[a * xcs + r * ldx + d]) * weight(b, j, d))
+                                    .sum::<f64>()
+                            })
+                            .sum();
+                        let want = dot + if bias { init[j] as f64 } else { 0.0 };
+                        assert!(
+                            (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "rows {rows} terms {terms:?} bias {bias} ({r}, {j}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
         }
     }
 }
