@@ -17,15 +17,18 @@ use crate::sdpa::compute_dtype;
 /// instead, against a pack of `2 · out · in` bytes: x is split into bf16 parts that sum
 /// to it exactly, so every product is exact and only the f32 sums round, as in the f32
 /// product (in another order; `CANDLE_ATTENTION_AMX=0` turns this off). So do an f16
-/// weight's (a pack of `4 · out · in` bytes, the weight as two bf16 parts that sum to
-/// it). Against an f32 input its products are exact too; against an f16/bf16 input the
-/// products of the two low parts are skipped, so each output is within `2⁻¹⁶·Σ|x·w|`
-/// of the exact sum (plus the f32 sums' rounding), where f16's own rounding is `2⁻¹¹`.
-/// Products of fewer rows than the kernel's register tile (14 rows with
-/// AVX-512, 6 with AVX2), such as decode steps, make the pack on their first call and
-/// run against it, with the threads splitting the output columns, or, with no room in
-/// the pack cache, by dot products against the weight read in place; a single row
-/// against an f16/bf16 weight always reads it in place. So a projection returns the same
+/// weight's products with f16/bf16 inputs of 16 rows or more (a pack of `4 · out · in`
+/// bytes, the weight as two bf16 parts that sum to it), without the products of the two
+/// low parts, so each output is within `2⁻¹⁶·Σ|x·w|` of the exact sum (plus the f32
+/// sums' rounding), where f16's own rounding is `2⁻¹¹`. Without AMX, on a CPU with
+/// AVX512-BF16 (AMD Zen 4 and later), a bf16 weight's products with f16/bf16 inputs run
+/// on `VDPBF16PS` register tiles against the same bf16 pack, for any number of rows
+/// (`CANDLE_ATTENTION_AVX512BF16=0` turns this off). Products of fewer rows than the
+/// kernel's register tile (14 rows with AVX-512, 6 with AVX2), such as decode steps,
+/// make the pack on their first call and run against it, with the threads splitting the
+/// output columns, or, with no room in the pack cache, by dot products against the
+/// weight read in place; a single row against an f16/bf16 weight reads it in place even
+/// with a pack, but for the `VDPBF16PS` products' pack. So a projection returns the same
 /// bits for the same input on every call. Inputs or weights that record gradients take
 /// candle's `matmul`.
 #[derive(Clone, Debug)]
@@ -93,7 +96,8 @@ impl Proj {
     /// f32 `x` on a CPU with AVX-512 or AVX2+FMA, the fused kernel's register-tiled product
     /// (`kernels::cpu`) against the weight packed into f32 panels (an f16/bf16 weight is
     /// converted there), or, for a bf16 weight on a CPU with AMX, the tile unit's product
-    /// against the weight packed as bf16 tiles (`kernels::cpu::amx_linear`); everywhere
+    /// (without AMX, with AVX512-BF16 and an `x` of f16/bf16 values: `VDPBF16PS` register
+    /// tiles) against the weight packed as bf16 tiles (`kernels::cpu::amx_linear`); everywhere
     /// else candle's `matmul` on the weight converted to `cd`. `tests/proj.rs` checks that
     /// they agree.
     ///
@@ -156,14 +160,17 @@ impl Proj {
                     }
                 }
                 if in_place {
-                    return crate::cast::to_dtype(&linear_in_place(x, w, b)?, out);
+                    // bf16 rows (see `Proj::forward_to`) are read as f32 here.
+                    let x = crate::cast::to_dtype(x, cd)?;
+                    return crate::cast::to_dtype(&linear_in_place(&x, w, b)?, out);
                 }
             }
         }
         // Candle's `matmul` multiplies every product in `cd`.
         #[cfg(not(target_arch = "x86_64"))]
         let _ = half_x;
-        crate::cast::to_dtype(&Self::matmul_bias_reference(x, &w.to_dtype(cd)?, b)?, out)
+        let x = crate::cast::to_dtype(x, cd)?;
+        crate::cast::to_dtype(&Self::matmul_bias_reference(&x, &w.to_dtype(cd)?, b)?, out)
     }
 
     /// The weight's kept pack for products of `rows` rows of half-precision values
@@ -268,7 +275,9 @@ impl Proj {
     pub(crate) fn on_kernel(&self, x: &Tensor) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            crate::kernels::cpu::linear::applies_rows(x, &self.weight)
+            // The kernel also takes bf16 rows for the pairs products, which `forward_into`
+            // does not run.
+            x.dtype() == DType::F32 && crate::kernels::cpu::linear::applies_rows(x, &self.weight)
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -302,7 +311,19 @@ impl Proj {
         let dims = x.dims();
         let cd = compute_dtype(x.dtype());
         let half_x = matches!(x.dtype(), DType::F16 | DType::BF16);
-        let x2 = crate::cast::to_dtype(x, cd)?.reshape((rows, in_dim))?;
+        let x2 = x.reshape((rows, in_dim))?;
+        // bf16 rows go to the pairs products as they are, where those take them: no f32
+        // copy of x is made (`kernels::cpu::amx_linear::Xs`).
+        #[cfg(target_arch = "x86_64")]
+        let direct =
+            x2.dtype() == DType::BF16 && crate::kernels::cpu::linear::applies_packed(&x2, &self.weight);
+        #[cfg(not(target_arch = "x86_64"))]
+        let direct = false;
+        let x2 = if direct {
+            x2
+        } else {
+            crate::cast::to_dtype(&x2, cd)?
+        };
         let bias = self.bias.as_ref().map(|b| b.to_dtype(cd)).transpose()?;
         let y = self.matmul_bias(&x2, bias.as_ref(), (cd, dtype), half_x)?;
         let mut shape = dims.to_vec();

@@ -152,3 +152,58 @@ pub fn calls_of_other_sizes_leave_a_call_unchanged() -> Result<usize> {
     }
     Ok(checked)
 }
+
+/// f16/bf16 weights (as loaded from a half-precision checkpoint) with f16, bf16 or f32
+/// inputs: the product is the f32 product of the converted values (the CPU kernel
+/// converts the weight while packing it, or widens it in registers for a few rows), on
+/// shapes with full 16×16 weight blocks, a partial last panel and a contraction tail.
+/// An f16 weight against an f16 input of 16 rows or more may skip the products of the
+/// two low bf16 parts (on the AMX tile unit): within `2⁻¹⁶·Σ|x·w|` more. Runs every case
+/// (each asserts); returns the number of projections compared, each on two calls.
+pub fn half_precision_weights_match() -> Result<usize> {
+    let dev = Device::Cpu;
+    let mut compared = 0;
+    // Then a few rows (decode steps): one row reads the weight in place on every call
+    // (where AVX512-BF16 runs bf16 weights without AMX, a half-precision row takes the
+    // pack instead),
+    // with one 32-element bf16 group and a 16-element tail (96); several rows run on the
+    // kept pack; whole groups (2048).
+    for (rows, inp, out) in [
+        (37, 100, 50),
+        (300, 96, 129),
+        (64, 768, 768),
+        (1, 96, 40),
+        (5, 96, 129),
+        (13, 2048, 33),
+    ] {
+        for wdt in [DType::BF16, DType::F16] {
+            let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / (inp as f64).sqrt())?.to_dtype(wdt)?;
+            let b = Tensor::randn(0f32, 1.0, out, &dev)?.to_dtype(wdt)?;
+            for xdt in [wdt, DType::F32] {
+                let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?.to_dtype(xdt)?;
+                let p = Proj::new(w.clone(), Some(b.clone()));
+                let f = |t: &Tensor| t.to_dtype(DType::F32);
+                let want = Proj::matmul_bias_reference(&f(&x)?, &f(&w)?, Some(&f(&b)?))?;
+                let mut tol = 1e-5;
+                if (wdt, xdt) == (DType::F16, DType::F16) {
+                    // `2⁻¹⁶·max Σ|x·w|`, relative to the fixtures' `max(1, max|want|)`.
+                    let size = f(&x)?.abs()?.matmul(&f(&w)?.abs()?.t()?)?;
+                    let size = size.max_all()?.to_scalar::<f32>()? as f64;
+                    let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0) as f64;
+                    tol += 2f64.powi(-16) * size / scale;
+                }
+                compared += 1;
+                for call in ["first", "second"] {
+                    let got = p.forward(&x)?;
+                    assert_eq!(got.dtype(), DType::F32);
+                    let err = rel_err(&got, &want)?;
+                    assert!(
+                        err < tol,
+                        "rows {rows} in {inp} out {out} weight {wdt:?} input {xdt:?} ({call} call): err {err}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(compared)
+}

@@ -75,7 +75,7 @@ pub(crate) fn weight_comps(dtype: DType) -> Option<usize> {
 /// component, so each `VDPBF16PS` does the work of two f32 FMAs, and the pack is half
 /// the bytes of the f32 product's. On the Zen 4 VM (2026-12-06) that ran 1024×768×2304
 /// at 360–370 GFLOP/s against 186–194 on the f32 product, and 1–16 rows against a kept
-/// pack 1.5–4 times faster (kernel notes). An f32 x would be three components (1.5
+/// pack 1.3–4.2 times faster (kernel notes). An f32 x would be three components (1.5
 /// times the f32 product's work), and an f16 weight two, so they keep the f32 product.
 pub(crate) fn runs(dtype: DType, rows: usize, half_x: bool) -> bool {
     match unit() {
@@ -237,22 +237,103 @@ unsafe fn split_row(row: &[f32], ld: usize, dst: *mut u16, cs: usize) -> (bool, 
     (nonfinite != 0, nonzero(any_mid), nonzero(any_lo))
 }
 
-/// Splits `n` rows of `inp` floats (row stride `ldx`) into [`SplitX`].
-///
-/// # Safety
-/// AVX-512F, AVX512DQ and AVX512-BF16 are available.
-#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
-unsafe fn split_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX {
-    assert!(n == 0 || xs.len() >= (n - 1) * ldx + inp);
-    let ld = e_pad(inp);
-    let n16 = n.div_ceil(TM) * TM;
-    let cs = n16 * ld;
+/// Rows of x, row-major: f32 values, or the bits of bf16 values (a bf16 layer's input,
+/// which is its own one bf16 part: no f32 copy of it is made).
+#[derive(Clone, Copy)]
+pub(crate) enum Xs<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Xs<'a> {
+    /// Elements.
+    fn len(self) -> usize {
+        match self {
+            Xs::F32(x) => x.len(),
+            Xs::Bf16(x) => x.len(),
+        }
+    }
+
+    /// Elements `range`.
+    fn slice(self, range: std::ops::Range<usize>) -> Xs<'a> {
+        match self {
+            Xs::F32(x) => Xs::F32(&x[range]),
+            Xs::Bf16(x) => Xs::Bf16(&x[range]),
+        }
+    }
+
+    /// All elements as f32 values.
+    pub(crate) fn to_f32(self) -> std::borrow::Cow<'a, [f32]> {
+        self.f32s(0..self.len())
+    }
+
+    /// Elements `range` as f32 values.
+    fn f32s(self, range: std::ops::Range<usize>) -> std::borrow::Cow<'a, [f32]> {
+        let bf = |bits: u16| f32::from_bits((bits as u32) << 16);
+        match self {
+            Xs::F32(x) => std::borrow::Cow::Borrowed(&x[range]),
+            Xs::Bf16(x) => std::borrow::Cow::Owned(x[range].iter().map(|&b| bf(b)).collect()),
+        }
+    }
+}
+
+/// This thread's [`SPLIT`] buffer (or a fresh one), grown to `len` elements.
+fn split_buffer(len: usize) -> AVec<u16> {
     let mut data = SPLIT.with(|cell| {
         cell.try_borrow_mut()
             .map(|mut b| std::mem::take(&mut *b))
             .unwrap_or_default()
     });
-    data.grow(3 * cs);
+    data.grow(len);
+    data
+}
+
+/// Splits `n` rows of `inp` elements (row stride `ldx`) into [`SplitX`]. bf16 rows are
+/// one part, copied as they are: the same part that the split of their f32 values
+/// makes (bf16 subnormals included, which both units read as zero; ±inf and NaN mark
+/// the row for [`dot_row`], as there).
+///
+/// # Safety
+/// AVX-512F, AVX512DQ and AVX512-BF16 are available.
+unsafe fn split_rows(xs: Xs, ldx: usize, n: usize, inp: usize) -> SplitX {
+    assert!(n == 0 || xs.len() >= (n - 1) * ldx + inp);
+    match xs {
+        Xs::F32(xs) => split_f32_rows(xs, ldx, n, inp),
+        Xs::Bf16(xs) => {
+            let ld = e_pad(inp);
+            let n16 = n.div_ceil(TM) * TM;
+            let mut data = split_buffer(n16 * ld);
+            let mut bad = Vec::new();
+            for (r, dst) in data[..n16 * ld].chunks_exact_mut(ld).enumerate() {
+                let row = if r < n { &xs[r * ldx..r * ldx + inp] } else { &[] };
+                dst[..row.len()].copy_from_slice(row);
+                dst[row.len()..].fill(0);
+                // The largest exponent field (a max, which vectorises).
+                if row.iter().fold(0, |m, &b| m.max(b & 0x7f80)) == 0x7f80 {
+                    bad.push(r);
+                }
+            }
+            SplitX {
+                data,
+                ld,
+                cs: n16 * ld,
+                comps: 1,
+                bad,
+            }
+        }
+    }
+}
+
+/// [`split_rows`] of f32 rows.
+///
+/// # Safety
+/// As for [`split_rows`].
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+unsafe fn split_f32_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX {
+    let ld = e_pad(inp);
+    let n16 = n.div_ceil(TM) * TM;
+    let cs = n16 * ld;
+    let mut data = split_buffer(3 * cs);
     let d = data.as_mut_ptr();
     let (mut any_mid, mut any_lo) = (false, false);
     let mut bad = Vec::new();
@@ -323,7 +404,7 @@ unsafe fn split_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX {
 /// # Safety
 /// [`unit`] returned a unit, and [`pack`] returned true for `wp`.
 pub(crate) unsafe fn product(
-    xv: &[f32],
+    xv: Xs,
     (wp, cw): (&[u16], usize),
     bv: Option<&[f32]>,
     dims: (usize, usize, usize),
@@ -341,7 +422,7 @@ pub(crate) unsafe fn product(
 #[allow(clippy::too_many_arguments)]
 unsafe fn product_on(
     unit: Unit,
-    xv: &[f32],
+    xv: Xs,
     (wp, cw): (&[u16], usize),
     bv: Option<&[f32]>,
     (rows, inp, out): (usize, usize, usize),
@@ -361,7 +442,7 @@ unsafe fn product_on(
         let n = ys.len / out;
         // SAFETY: the caller's guarantees; `ys` holds rows `r0..r0 + n` of `y`.
         unsafe {
-            let xs = &xv[r0 * inp..(r0 + n) * inp];
+            let xs = xv.slice(r0 * inp..(r0 + n) * inp);
             let sx = split_rows(xs, inp, n, inp);
             blocks_into(
                 (xs, &sx),
@@ -478,7 +559,7 @@ fn padded_bias(bv: Option<&[f32]>, out: usize) -> Option<AVec<f32>> {
 /// As for [`product`].
 unsafe fn product_by_columns(
     unit: Unit,
-    xv: &[f32],
+    xv: Xs,
     (wp, cw): (&[u16], usize),
     bv: Option<&[f32]>,
     (rows, inp, out): (usize, usize, usize),
@@ -541,7 +622,7 @@ unsafe fn product_by_columns(
 /// to `out`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn blocks_into(
-    (xs, sx): (&[f32], &SplitX),
+    (xs, sx): (Xs, &SplitX),
     (wp, cw): (&[u16], usize),
     (bv, bp): (Option<&[f32]>, Option<&[f32]>),
     (rows, inp, out): (usize, usize, usize),
@@ -563,8 +644,8 @@ unsafe fn blocks_into(
     let cols = (j1 * BK).min(out) - j0 * BK;
     let mut row = vec![MaybeUninit::<f32>::uninit(); cols];
     for &r in &sx.bad {
-        let x = &xs[r * inp..(r + 1) * inp];
-        dot_row(x, (wp, cw), bv, out, (j0, j1), &mut row);
+        let x = xs.f32s(r * inp..(r + 1) * inp);
+        dot_row(&x, (wp, cw), bv, out, (j0, j1), &mut row);
         // SAFETY: `dot_row` wrote all `cols` elements.
         y.put(
             r * ldy,
@@ -804,7 +885,7 @@ mod tests {
     ) -> Vec<f32> {
         let mut y = vec![MaybeUninit::<f32>::uninit(); dims.0 * dims.2];
         // SAFETY: `unit` is available, and `pack` returned true.
-        unsafe { product_on(unit, x, (&w.0, w.1), b, dims, half_x, Rows::F32(&mut y)) };
+        unsafe { product_on(unit, Xs::F32(x), (&w.0, w.1), b, dims, half_x, Rows::F32(&mut y)) };
         // SAFETY: `product` writes every element.
         y.into_iter().map(|v| unsafe { v.assume_init() }).collect()
     }
@@ -1000,7 +1081,7 @@ mod tests {
                         unsafe {
                             product_on(
                                 unit,
-                                &xv,
+                                Xs::F32(&xv),
                                 (&pw.0, pw.1),
                                 Some(&b),
                                 (rows, inp, out),
@@ -1016,6 +1097,81 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// bf16 rows given as they are ([`Xs::Bf16`]) give the bits of their f32 values
+    /// ([`Xs::F32`]), on every unit, in both schedules (a few rows by columns, and row
+    /// blocks), as f32 and rounded rows, with rows that hold ±inf, NaN and a subnormal.
+    /// A subnormal weight meets the infinity: both units read it as zero (inf · 0 is
+    /// NaN), so only the f32 dot products of rows marked for them give the f32
+    /// product's infinity there.
+    #[test]
+    fn bf16_rows_give_the_bits_of_their_f32_values() -> Result<(), candle::Error> {
+        let units = units();
+        if units.is_empty() {
+            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        for (rows, inp, out) in [(5, 96, 70), (40, 100, 130), (300, 64, 64)] {
+            let mut wv = Tensor::randn(0f32, 1.0, (out, inp), &dev)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            wv[3] = f32::from_bits(1 << 16); // the smallest bf16 subnormal
+            let w = Tensor::from_vec(wv, (out, inp), &dev)?.to_dtype(DType::BF16)?;
+            let pw = packed(&w);
+            let b: Vec<f32> = (0..out).map(|o| o as f32 * 0.125 - 4.0).collect();
+            let x = Tensor::randn(0f32, 3.0, (rows, inp), &dev)?.to_dtype(DType::BF16)?;
+            let mut bits: Vec<u16> = x
+                .flatten_all()?
+                .to_vec1::<half::bf16>()?
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            bits[inp + 3] = 0x7f80; // +inf
+            bits[3 * inp + 5] = 0x7fc0; // NaN
+            bits[2 * inp + 1] = 0x0001; // the smallest subnormal
+            let xf: Vec<f32> = bits.iter().map(|&v| f32::from_bits((v as u32) << 16)).collect();
+            for (&unit, dt) in units
+                .iter()
+                .flat_map(|u| [None, Some(DType::BF16), Some(DType::F16)].map(move |d| (u, d)))
+            {
+                let run = |xs: Xs| -> Vec<u32> {
+                    let dims = (rows, inp, out);
+                    let w = (&pw.0[..], pw.1);
+                    // SAFETY: `unit` is available, and `pack` returned true; `product_on`
+                    // writes every element.
+                    unsafe {
+                        match dt {
+                            None => {
+                                let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
+                                product_on(unit, xs, w, Some(&b), dims, true, Rows::F32(&mut y));
+                                y.into_iter().map(|v| v.assume_init().to_bits()).collect()
+                            }
+                            Some(dt) => {
+                                let mut y = vec![MaybeUninit::<u16>::uninit(); rows * out];
+                                product_on(unit, xs, w, Some(&b), dims, true, Rows::Half(&mut y, dt));
+                                y.into_iter().map(|v| v.assume_init() as u32).collect()
+                            }
+                        }
+                    }
+                };
+                let got = run(Xs::Bf16(&bits));
+                assert_eq!(
+                    got,
+                    run(Xs::F32(&xf)),
+                    "{unit:?} {rows}x{inp}x{out} rounded to {dt:?}"
+                );
+                // Row 1 (its +inf against the subnormal weight of output 0) is +inf.
+                let inf = match dt {
+                    None => f32::INFINITY.to_bits(),
+                    Some(DType::BF16) => 0x7f80,
+                    Some(_) => 0x7c00,
+                };
+                assert_eq!(got[out], inf, "{unit:?} {rows}x{inp}x{out} rounded to {dt:?}");
             }
         }
         Ok(())
@@ -1043,7 +1199,7 @@ mod tests {
                     .to_dtype(DType::F32)?;
                 let xv = x.flatten_all()?.to_vec1::<f32>()?;
                 // SAFETY: `enabled` returned true.
-                let mut sx = unsafe { split_rows(&xv, inp, rows, inp) };
+                let mut sx = unsafe { split_rows(Xs::F32(&xv), inp, rows, inp) };
                 assert_eq!(sx.comps, comps, "{xdt:?}");
                 let run = |sx: &SplitX, unit: Unit| {
                     let mut y = vec![MaybeUninit::<f32>::uninit(); rows * out];
@@ -1051,7 +1207,7 @@ mod tests {
                     // SAFETY: as above, and `pack` returned true.
                     unsafe {
                         blocks_into(
-                            (&xv, sx),
+                            (Xs::F32(&xv), sx),
                             (&wp, cw),
                             (Some(&b), padded_bias(Some(&b), out).as_deref()),
                             (rows, inp, out),
@@ -1113,7 +1269,7 @@ mod tests {
             unsafe {
                 product_on(
                     unit,
-                    &xv,
+                    Xs::F32(&xv),
                     (&wp, 1),
                     None,
                     (rows, inp, out),
@@ -1159,13 +1315,13 @@ mod tests {
             xv[at] = v;
         }
         // SAFETY: `enabled` returned true.
-        let sx = unsafe { split_rows(&xv, inp, rows, inp) };
+        let sx = unsafe { split_rows(Xs::F32(&xv), inp, rows, inp) };
         assert_eq!((sx.comps, &sx.bad[..]), (1, &[0, 1, 5, 19][..]));
         // 1 + 2⁻²³ is `1 + 2⁻²³` (two components); 1 + 2⁻⁹ + 2⁻²³ is `1 + 2⁻⁹ + 2⁻²³` (three).
         for (bits, comps) in [(0x3f80_0001, 2), (0x3f80_4001, 3)] {
             xv[555] = f32::from_bits(bits);
             // SAFETY: as above.
-            let sx = unsafe { split_rows(&xv, inp, rows, inp) };
+            let sx = unsafe { split_rows(Xs::F32(&xv), inp, rows, inp) };
             assert_eq!((sx.comps, &sx.bad[..]), (comps, &[0, 1, 5, 19][..]));
         }
     }

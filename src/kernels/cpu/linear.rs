@@ -8,7 +8,7 @@
 //! starting value.
 
 use super::aligned::AVec;
-use super::amx_linear;
+use super::amx_linear::{self, Xs};
 use super::isa::Isa;
 use super::pack::pack_k;
 use super::par;
@@ -100,7 +100,7 @@ fn linear_in_place_on(selected: Isa, x: &Tensor, w: &Tensor, b: Option<&Tensor>)
     let wd = weight_data(&wg, wl, w)?;
     new_output(x, out, |dst| {
         let n = dst.len();
-        with_operands(x, (out, inp), w, b, (dst, n), false, |rows, xv, bv, dst| {
+        with_f32_operands(x, (out, inp), w, b, (dst, n), false, |rows, xv, bv, dst| {
             // The kernels take whole strips of `MR` rows; padding rows are not computed.
             let padded = rows.div_ceil(MR) * MR;
             let mut q = vec![0f32; padded * inp];
@@ -157,7 +157,8 @@ fn slice_rows(d: Data<'_>, a: usize, b: usize) -> Data<'_> {
 }
 
 /// `(rows, register tile rows)` when the product takes `x (…, in)` and `w` but for the
-/// number of rows: f32 `x` on the CPU, a non-empty f32/f16/bf16 weight, the AVX-512 or
+/// number of rows: f32 `x` (or bf16 `x` against a bf16 weight, where the pairs products
+/// run them: [`on_tiles`]) on the CPU, a non-empty f32/f16/bf16 weight, the AVX-512 or
 /// AVX2 kernel selected, and no gradients. Small products are taken too: they run on the
 /// calling thread ([`par::sized`]), and a 1×32 → 32 product took 0.7 µs there against
 /// 1.0 µs on candle's `matmul` with `RAYON_NUM_THREADS` set and 39 µs without (Zen 3 VM,
@@ -167,12 +168,19 @@ fn takes(x: &Tensor, w: &Tensor) -> Option<(usize, usize)> {
         return None;
     };
     let rows = x.elem_count() / inp.max(1);
+    // bf16 rows go to the pairs products as they are (`amx_linear::Xs`), where those
+    // run them.
+    let x_ok = match x.dtype() {
+        DType::F32 => true,
+        DType::BF16 => w.dtype() == DType::BF16 && on_tiles(DType::BF16, rows, true),
+        _ => false,
+    };
     // Tensors that record gradients take candle's ops: this product has no backward.
     let ok = !x.track_op()
         && !w.track_op()
         && x.device().is_cpu()
         && w.device().is_cpu()
-        && x.dtype() == DType::F32
+        && x_ok
         && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && inp == win
         && inp > 0
@@ -302,7 +310,10 @@ pub(crate) fn linear_into(
     let wd = weight_data(&wg, wl, w)?;
     let np = out.div_ceil(NR);
     let n = dst.len();
-    with_operands(x, (out, inp), w, b, (dst, n), true, |rows, xv, bv, dst| {
+    // bf16 rows that the pairs products did not take (a weight with ±inf or NaN) are
+    // multiplied as f32.
+    let xf = crate::cast::to_dtype(x, DType::F32)?;
+    with_f32_operands(&xf, (out, inp), w, b, (dst, n), true, |rows, xv, bv, dst| {
         with_kept(&PACK, KEEP_FLOATS, |wp| {
             wp.grow(np * inp * NR);
             pack_into(wd, (out, inp), &mut wp[..np * inp * NR]);
@@ -425,7 +436,9 @@ fn packed_product(
         |rows, xv, bv, dst| {
             match (&w.panels, dst) {
                 (Panels::F32(wp), amx_linear::Rows::F32(dst)) => {
-                    product(xv, wp, bv, (rows, w.inp, w.out), dst);
+                    // bf16 rows against f32 panels (a weight with ±inf or NaN, which
+                    // the pairs products do not take) are multiplied as f32.
+                    product(&xv.to_f32(), wp, bv, (rows, w.inp, w.out), dst);
                     Ok(())
                 }
                 // SAFETY: a tile pack is made only where the tile unit is enabled, and only
@@ -454,10 +467,31 @@ fn product_ns(rows: usize, inp: usize, out: usize, packs: bool) -> f64 {
     par::work_ns(2.0 * r * i * o, weight + r * (i + o))
 }
 
+/// [`with_operands`] for products that take f32 rows of x only (an error for others).
+fn with_f32_operands<D, R>(
+    x: &Tensor,
+    (out, inp): (usize, usize),
+    w: &Tensor,
+    b: Option<&Tensor>,
+    dst: (D, usize),
+    packs: bool,
+    f: impl FnOnce(usize, &[f32], Option<&[f32]>, D) -> R,
+) -> Result<R> {
+    with_operands(x, (out, inp), w, b, dst, packs, |rows, xv, bv, dst| match xv {
+        Xs::F32(xv) => Ok(f(rows, xv, bv, dst)),
+        Xs::Bf16(_) => candle::bail!(
+            "linear: this product takes f32 rows, not x {:?} {:?} (weight {:?})",
+            x.dims(),
+            x.dtype(),
+            w.dims()
+        ),
+    })?
+}
+
 /// Checks `x (rows, in)`, `b (out)` and `dst` (`rows · out`) against a weight
 /// `(out, in)` (named `w` in errors), then runs `f(rows, x, b, dst)` on their contiguous
-/// f32 data: on this thread alone when the product (with a pack of the weight where
-/// `packs`) is too small to share among the threads ([`par::sized`]).
+/// data (x f32 or bf16, b f32): on this thread alone when the product (with a pack of
+/// the weight where `packs`) is too small to share among the threads ([`par::sized`]).
 fn with_operands<D, R>(
     x: &Tensor,
     (out, inp): (usize, usize),
@@ -465,7 +499,7 @@ fn with_operands<D, R>(
     b: Option<&Tensor>,
     (dst, dst_len): (D, usize),
     packs: bool,
-    f: impl FnOnce(usize, &[f32], Option<&[f32]>, D) -> R,
+    f: impl FnOnce(usize, Xs, Option<&[f32]>, D) -> R,
 ) -> Result<R> {
     let (rows, xin) = x.dims2()?;
     if dst_len != rows * out {
@@ -491,7 +525,14 @@ fn with_operands<D, R>(
     }
     let (xc, bc) = (x.contiguous()?, b.map(|b| b.contiguous()).transpose()?);
     let (xg, xl) = xc.storage_and_layout();
-    let xv = f32_slice(&xg, xl, x)?;
+    let xv = match (&*xg, xl.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::BF16(v)), Some((a, z))) => {
+            // SAFETY: bf16 is a 16-bit plain-old-data type (`#[repr(transparent)]` u16);
+            // the slice is reinterpreted in place.
+            Xs::Bf16(unsafe { std::slice::from_raw_parts(v[a..z].as_ptr() as *const u16, z - a) })
+        }
+        _ => Xs::F32(f32_slice(&xg, xl, x)?),
+    };
     let bg = bc.as_ref().map(|b| b.storage_and_layout());
     let bv = match (&bg, &bc) {
         (Some((g, l)), Some(b)) => Some(f32_slice(g, l, b)?),
