@@ -114,7 +114,7 @@ pub(crate) fn pack_len((out, inp): (usize, usize), comps: usize) -> usize {
 /// every weight is finite; when it returns false the pack must not be used.
 ///
 /// # Safety
-/// [`unit`] returned a unit (AVX-512F and AVX512-BF16 are available: both units need
+/// [`unit()`] returned a unit (AVX-512F and AVX512-BF16 are available: both units need
 /// them, and the packs and the split of x use them too).
 pub(crate) unsafe fn pack(wd: Data, (out, inp): (usize, usize), comps: usize, dst: &mut [u16]) -> bool {
     assert_eq!(dst.len(), pack_len((out, inp), comps));
@@ -397,12 +397,12 @@ unsafe fn split_f32_rows(xs: &[f32], ldx: usize, n: usize, inp: usize) -> SplitX
 /// the bits of `cast::to_dtype`, so that a half-precision layer need not write f32 rows
 /// and read them back to round them.
 ///
-/// The products run on [`unit`] (on AVX512-BF16 register tiles if another thread has
+/// The products run on [`unit()`] (on AVX512-BF16 register tiles if another thread has
 /// turned both units off since the caller's check): both give the same products, summed
 /// in different orders.
 ///
 /// # Safety
-/// [`unit`] returned a unit, and [`pack`] returned true for `wp`.
+/// [`unit()`] returned a unit, and [`pack`] returned true for `wp`.
 pub(crate) unsafe fn product(
     xv: Xs,
     (wp, cw): (&[u16], usize),
