@@ -49,9 +49,10 @@
 //!   softmax sum once, `2^(sink − m)` against the row's reference max `m`, when the row
 //!   is normalised (`driver::block::finish`) or after the split-K merge (`driver::block::merge`).
 //! * Logit soft-capping ([`Extras::softcap`]) caps each block's scores in
-//!   `driver::block::online_rows`, before the mask (`softcap`); the paths that take their
-//!   softmax elsewhere (AVX-512's softmax in registers, AVX2's row maxima kept by the
-//!   score kernel, the AMX and AVX512-BF16 tiles) stand aside for it.
+//!   `driver::block::online_rows`, before the mask (`softcap`); the f32 paths that take
+//!   their softmax elsewhere (AVX-512's softmax in registers, AVX2's row maxima kept by
+//!   the score kernel) stand aside for it. The AMX and AVX512-BF16 path caps its score
+//!   rows itself, before their mask and softmax (`driver::amx_block`).
 //! * Nothing here has a backward pass: the dispatcher (`crate::sdpa`) and `crate::Proj`
 //!   send tensors that record gradients to candle's ops instead.
 //! * Decode on AVX-512 reads K/V rows in place, f16/bf16 widened in registers, and
@@ -382,11 +383,13 @@ fn sdpa_impl(
         ev,
         pack_budget: layout.pack_budget,
         heads_inner: layout.heads_inner,
-        sinks: layout.extras.sinks.map(|sk| sk.iter().map(|&x| x * std::f32::consts::LOG2_E).collect()),
+        sinks: layout
+            .extras
+            .sinks
+            .map(|sk| sk.iter().map(|&x| x * std::f32::consts::LOG2_E).collect()),
         softcap: layout.extras.softcap.map(|cap| cap * std::f32::consts::LOG2_E),
         #[cfg(target_arch = "x86_64")]
-        // Softcap runs in `driver::block::online_rows`, which the AMX path's softmax skips.
-        amx: amx_plan(dtype, isa).filter(|_| layout.extras.softcap.is_none()),
+        amx: amx_plan(dtype, isa),
     };
     let dev = q.device();
     let mem_shape = if layout.heads_inner {

@@ -226,8 +226,16 @@ pub(super) fn process_amx(
                 (0, nks)
             };
             let mut cr = c;
+            if let Some(cap) = p.softcap {
+                // Before the mask, as in Gemma 2 (`block::online_rows`), on the scores in
+                // the log2 domain.
+                let vis = &mut row[a..z];
+                vis.iter_mut().for_each(|x| *x *= c);
+                softcap::cap_scores(p.isa, vis, cap);
+                cr = 1.0;
+            }
             if let Some(mk) = &p.mask {
-                mk.scale_add_row(bb, hh[r], ii[r], j0 + a, &mut row[a..z], c, LOG2_E);
+                mk.scale_add_row(bb, hh[r], ii[r], j0 + a, &mut row[a..z], cr, LOG2_E);
                 cr = 1.0;
             }
             // SAFETY: `p.amx` is only set after `amx::available()` or `dpbf16::available()`
