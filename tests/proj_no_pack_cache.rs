@@ -11,10 +11,5 @@ mod proj_cases;
 #[test]
 fn projections_without_kept_packs_match_the_reference() -> candle_core::Result<()> {
     std::env::set_var("CANDLE_ATTENTION_PACK_CACHE_MB", "0");
-    let n = proj_cases::projections_match_matmul()?;
-    assert!(n >= 80, "only {n} products compared");
-    assert_eq!(proj_cases::repeated_calls_agree_bit_for_bit()?, 90);
-    assert_eq!(proj_cases::calls_of_other_sizes_leave_a_call_unchanged()?, 9);
-    assert_eq!(proj_cases::half_precision_weights_match()?, 24);
-    Ok(())
+    proj_cases::all_cases_pass()
 }

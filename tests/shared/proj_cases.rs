@@ -16,6 +16,16 @@ use candle_core::{DType, Device, Result, Tensor};
 /// an infinity on either side): the fixtures' normalised error.
 pub use candle_attention::fixture::normalised_error as rel_err;
 
+/// Every case of this file, with the counts that each must compare.
+pub fn all_cases_pass() -> Result<()> {
+    let n = projections_match_matmul()?;
+    assert!(n >= 80, "only {n} products compared");
+    assert_eq!(repeated_calls_agree_bit_for_bit()?, 90);
+    assert_eq!(calls_of_other_sizes_leave_a_call_unchanged()?, 9);
+    assert_eq!(half_precision_weights_match()?, 24);
+    Ok(())
+}
+
 /// Runs every case (each asserts); returns the number of products compared.
 pub fn projections_match_matmul() -> Result<usize> {
     let mut compared = 0;

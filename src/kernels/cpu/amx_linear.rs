@@ -832,11 +832,6 @@ mod tests {
     use super::*;
     use candle::{Device, Tensor};
 
-    /// Whether the products here run on this machine.
-    fn enabled() -> bool {
-        unit().is_some()
-    }
-
     /// The units that can run the products on this machine: the AMX tile unit where it
     /// is available, and AVX512-BF16 register tiles (which every CPU with AMX has too).
     fn units() -> Vec<Unit> {
@@ -850,8 +845,18 @@ mod tests {
         units
     }
 
+    /// [`units`], or `None` (saying so) where there are none.
+    fn units_here() -> Option<Vec<Unit>> {
+        let units = units();
+        if units.is_empty() {
+            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+            return None;
+        }
+        Some(units)
+    }
+
     /// `w (out, in)` (bf16 or f16) packed here: the pack, its components, and whether
-    /// `pack` found every weight finite. Callers check [`enabled`] first.
+    /// `pack` found every weight finite. Callers check [`units_here`] first.
     fn pack_tensor(w: &Tensor) -> (AVec<u16>, usize, bool) {
         let cw = weight_comps(w.dtype()).expect("a bf16 or f16 weight");
         let (out, inp) = w.dims2().expect("a weight (out, in)");
@@ -862,7 +867,7 @@ mod tests {
             _ => unreachable!("a bf16 or f16 CPU tensor"),
         };
         let mut wp = AVec::<u16>::new(pack_len((out, inp), cw));
-        // SAFETY: the callers checked `enabled`.
+        // SAFETY: the callers checked `units_here`.
         let finite = unsafe { pack(wd, (out, inp), cw, &mut wp) };
         (wp, cw, finite)
     }
@@ -897,11 +902,9 @@ mod tests {
     /// partial output panels and blocks, contraction tails, with and without bias.
     #[test]
     fn products_match_f64() -> Result<(), candle::Error> {
-        let units = units();
-        if units.is_empty() {
-            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+        let Some(units) = units_here() else {
             return Ok(());
-        }
+        };
         let dev = Device::Cpu;
         let mut checked = 0;
         for (rows, inp, out) in [
@@ -972,11 +975,9 @@ mod tests {
     /// rounding.
     #[test]
     fn half_inputs_skip_only_the_low_parts_products() -> Result<(), candle::Error> {
-        let units = units();
-        if units.is_empty() {
-            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+        let Some(units) = units_here() else {
             return Ok(());
-        }
+        };
         let dev = Device::Cpu;
         for (rows, inp, out) in [(16, 256, 20), (40, 512, 70)] {
             // Signs and powers of two by input position and row, so that every
@@ -1043,11 +1044,9 @@ mod tests {
     /// blocks, a bias, and rows with ±inf and NaN (recomputed by dot products).
     #[test]
     fn rounded_rows_are_candles_casts_of_the_f32_rows() -> Result<(), candle::Error> {
-        let units = units();
-        if units.is_empty() {
-            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+        let Some(units) = units_here() else {
             return Ok(());
-        }
+        };
         let dev = Device::Cpu;
         for (rows, inp, out) in [(5, 96, 70), (40, 100, 130), (300, 64, 64)] {
             for wdt in [DType::BF16, DType::F16] {
@@ -1110,11 +1109,9 @@ mod tests {
     /// product's infinity there.
     #[test]
     fn bf16_rows_give_the_bits_of_their_f32_values() -> Result<(), candle::Error> {
-        let units = units();
-        if units.is_empty() {
-            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+        let Some(units) = units_here() else {
             return Ok(());
-        }
+        };
         let dev = Device::Cpu;
         for (rows, inp, out) in [(5, 96, 70), (40, 100, 130), (300, 64, 64)] {
             let mut wv = Tensor::randn(0f32, 1.0, (out, inp), &dev)?
@@ -1182,11 +1179,9 @@ mod tests {
     /// three) gives the same bits as skipping them.
     #[test]
     fn zero_components_are_skipped_without_changing_a_bit() -> Result<(), candle::Error> {
-        let units = units();
-        if units.is_empty() {
-            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+        let Some(units) = units_here() else {
             return Ok(());
-        }
+        };
         let dev = Device::Cpu;
         let (rows, inp, out) = (37, 200, 70);
         for wdt in [DType::BF16, DType::F16] {
@@ -1198,7 +1193,7 @@ mod tests {
                     .to_dtype(xdt)?
                     .to_dtype(DType::F32)?;
                 let xv = x.flatten_all()?.to_vec1::<f32>()?;
-                // SAFETY: `enabled` returned true.
+                // SAFETY: `units_here` found a unit.
                 let mut sx = unsafe { split_rows(Xs::F32(&xv), inp, rows, inp) };
                 assert_eq!(sx.comps, comps, "{xdt:?}");
                 let run = |sx: &SplitX, unit: Unit| {
@@ -1240,11 +1235,9 @@ mod tests {
     /// finite), in both schedules; the other rows keep the tile products.
     #[test]
     fn rows_that_bf16_cannot_hold_get_f32_products() -> Result<(), candle::Error> {
-        let units = units();
-        if units.is_empty() {
-            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+        let Some(units) = units_here() else {
             return Ok(());
-        }
+        };
         let dev = Device::Cpu;
         let (inp, out) = (96, 80);
         let w = (Tensor::randn(0f32, 1.0, (out, inp), &dev)? / 20.0)?.to_dtype(DType::BF16)?;
@@ -1298,8 +1291,7 @@ mod tests {
     /// do not count towards the components: bf16 values with them still split into one.
     #[test]
     fn non_finite_values_leave_one_component_for_bf16_values() {
-        if !enabled() {
-            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+        if units_here().is_none() {
             return;
         }
         let (rows, inp) = (20, 40);
@@ -1314,7 +1306,7 @@ mod tests {
         ] {
             xv[at] = v;
         }
-        // SAFETY: `enabled` returned true.
+        // SAFETY: `units_here` found a unit.
         let sx = unsafe { split_rows(Xs::F32(&xv), inp, rows, inp) };
         assert_eq!((sx.comps, &sx.bad[..]), (1, &[0, 1, 5, 19][..]));
         // 1 + 2⁻²³ is `1 + 2⁻²³` (two components); 1 + 2⁻⁹ + 2⁻²³ is `1 + 2⁻⁹ + 2⁻²³` (three).
@@ -1329,8 +1321,7 @@ mod tests {
     /// A weight with ±inf or NaN is refused (`pack` returns false), in bf16 and f16.
     #[test]
     fn weights_with_non_finite_values_are_refused() -> Result<(), candle::Error> {
-        if !enabled() {
-            eprintln!("no AMX or AVX512-BF16 here: nothing to check");
+        if units_here().is_none() {
             return Ok(());
         }
         let dev = Device::Cpu;
