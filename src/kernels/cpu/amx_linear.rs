@@ -1,5 +1,6 @@
-//! `y = x · Wᵀ + b` on the AMX tile unit (`TDPBF16PS`) for bf16 and f16 weights and f32
-//! `x`, with the sums in f32. For a bf16 weight every product is exact, as in the f32
+//! `y = x · Wᵀ + b` on bf16 pair products for bf16 and f16 weights and f32 or bf16 `x`
+//! ([`Xs`]), with the sums in f32: on the AMX tile unit (`TDPBF16PS`), or without AMX on
+//! AVX512-BF16 register tiles (`VDPBF16PS`, `dpbf16::gemm`; [`unit()`]). For a bf16 weight every product is exact, as in the f32
 //! products of `linear` (which sum in another order); for an f16 weight too, but for an
 //! x of half-precision values ([`runs`]), whose products skip `lo · lo` as the attention
 //! kernel's f16 products do (see [`product`]).
@@ -12,14 +13,16 @@
 //!   to the f32 value exactly (24 significant bits in three of 8, rounded to nearest; the
 //!   parts of values below about 2⁻¹⁰³ that fall under bf16's normal range are dropped,
 //!   as the tile unit reads subnormal inputs as zero). Components that are zero in every
-//!   row of the block are not multiplied: a bf16 layer's input (f32 converted from bf16)
-//!   is one component. A zero component would only add zeros, so
+//!   row of the block are not multiplied: a bf16 layer's input is one component (given
+//!   as bf16, it is copied as it is). A zero component would only add zeros, so
 //!   skipping it leaves the result unchanged (but for the sign of a zero).
 //! - The block products are `amx::gemm_tiles`: 2 × 2 tiles of 16 rows by 16 outputs,
 //!   over the pairs of components (each W tile loaded once per contraction tile and
 //!   multiplied by x's components), the bias as the accumulators' starting value. Whole
 //!   tiles are stored in place, after their lines are asked for with `prefetchw`; the
-//!   last row tile and a partial last panel go through a scratch tile.
+//!   last row tile and a partial last panel go through a scratch tile. On the register
+//!   tiles, `dpbf16::gemm` takes strips of 6 rows by a block of 64 outputs instead
+//!   ([`pair_blocks`]).
 //! - Rows of `x` with a value that bf16 cannot hold (±inf, NaN, or beyond bf16's largest
 //!   finite value) would split into `inf + NaN`; they are recomputed by f32 dot products
 //!   against the packed weight, so they give what the f32 product gives (±inf or NaN).

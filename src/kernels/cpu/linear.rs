@@ -1220,7 +1220,7 @@ mod tests {
         // Where the AMX tile unit runs the products of bf16 weights, and of f16 weights
         // against half-precision x of 16 rows or more, those weights are kept as its
         // VNNI blocks (64 outputs × 32 inputs × 2 bytes per component); so are bf16
-        // weights against half-precision x of 16 rows or more where AVX512-BF16
+        // weights against half-precision x of any number of rows where AVX512-BF16
         // register tiles run them. A weight with an infinity, weights packed for other
         // calls, and every weight elsewhere, as f32 panels.
         for (dt, comps, rows, half_x) in [
