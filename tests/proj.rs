@@ -35,6 +35,24 @@ fn batched_and_strided_inputs_match_candle_matmul() -> Result<()> {
     // Half precision goes through f32 and returns f32.
     let got = p.forward(&xt.to_dtype(DType::BF16)?)?;
     assert_eq!(got.dtype(), DType::F32);
+    // Batched and strided bf16 inputs against a bf16 weight, which the AMX and
+    // AVX512-BF16 products take as bf16 rows where they run.
+    let wb = w.to_dtype(DType::BF16)?;
+    let pb = Proj::new(wb.clone(), None);
+    let wf = wb.to_dtype(DType::F32)?;
+    for xb in [
+        x.to_dtype(DType::BF16)?,
+        Tensor::randn(0f32, 1.0, (64, 80), &dev)?
+            .to_dtype(DType::BF16)?
+            .t()?,
+    ] {
+        let got = pb.forward(&xb)?;
+        let rows = xb.elem_count() / 64;
+        let xf = xb.to_dtype(DType::F32)?.contiguous()?.reshape((rows, 64))?;
+        let want = Proj::matmul_bias_reference(&xf, &wf, None)?.reshape(got.shape())?;
+        assert_eq!(got.dtype(), DType::F32);
+        assert!(rel_err(&got, &want)? < 1e-5, "bf16 input {:?}", xb.dims());
+    }
     Ok(())
 }
 
