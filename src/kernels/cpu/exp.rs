@@ -23,7 +23,7 @@ pub(crate) fn exp2_scalar(x: f32) -> f32 {
 /// of `avx2::exp2_256` reaches 2.2e-7 in f32). `c1` is the fitted value, 1.8e-7 below
 /// `ln 2`.
 #[allow(clippy::approx_constant)]
-const MINIMAX5: [f32; 5] = [
+pub(crate) const MINIMAX5: [f32; 5] = [
     0.693_147,
     0.240_222_42,
     5.550_733_6e-2,
