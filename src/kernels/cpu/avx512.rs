@@ -542,23 +542,23 @@ unsafe fn qk_contract<const S: usize, const P: usize>(
 }
 
 /// One step of a 6×64 tile loop (`tile_loop_6x4!`) as assembly text: the four 16-lane
-/// `b` panels at byte offset `$db` (panel stride `{sb}`), the six row elements at byte
-/// offset `$da` from their row (rows `{g0}`, `+ {la}`, `+ 2·{la}`, then the same from
-/// `{g1}`), 24 FMAs into `zmm0..zmm23` (row-major, four per row).
+/// `b` operands at `{b} + $b0 … $b3` (address text), the six row elements at byte offset
+/// `$da` from their row (rows `{g0}`, `+ {la}`, `+ 2·{la}`, then the same from `{g1}`),
+/// 24 FMAs into `zmm0..zmm23` (row-major, four per row).
 macro_rules! tile_step_6x4 {
-    ($da:literal, $db:literal) => {
+    ($da:literal, [$b0:literal, $b1:literal, $b2:literal, $b3:literal]) => {
         concat!(
             "vmovups zmm24, zmmword ptr [{b} + ",
-            $db,
+            $b0,
             "]\n",
-            "vmovups zmm25, zmmword ptr [{b} + {sb} + ",
-            $db,
+            "vmovups zmm25, zmmword ptr [{b} + ",
+            $b1,
             "]\n",
-            "vmovups zmm26, zmmword ptr [{b} + {sb}*2 + ",
-            $db,
+            "vmovups zmm26, zmmword ptr [{b} + ",
+            $b2,
             "]\n",
-            "vmovups zmm27, zmmword ptr [{b} + {sb3} + ",
-            $db,
+            "vmovups zmm27, zmmword ptr [{b} + ",
+            $b3,
             "]\n",
             "vbroadcastss zmm28, dword ptr [{g0} + ",
             $da,
@@ -608,12 +608,18 @@ macro_rules! tile_step_6x4 {
 
 /// A 6×64 register-tile loop in assembly: `n` steps of `acc[r][i] += a_r · b_i`, where
 /// step `x` broadcasts `a_r` from byte `r%3·la + x·$sa` of group pointer `r/3`
-/// (`g1 = a + 3·la`) and loads `b_i` (16 lanes) from byte `i·sb + 64x` of `b`. Per step
-/// 4 loads, 6 broadcasts and 24 FMAs; four steps share one set of pointer updates. The
-/// compiled intrinsics spent integer work per step on row addresses, and ran
-/// `enc1k_d128` 4% and `enc512` 2–3% slower (medians, alternating binaries).
+/// (`g1 = a + 3·la`) and loads `b_i` (16 lanes) from `b` at the addresses of `$steps`
+/// (the four steps of one pass, each a list of four address texts over `{sb}` and
+/// `{sb3} = 3·sb`), after which `b` moves on by `4·$bs` bytes (the tail's single steps
+/// use the first step's addresses and move on by `$bs`). Per step 4 loads, 6 broadcasts
+/// and 24 FMAs; four steps share one set of pointer updates. The compiled intrinsics
+/// spent integer work per step on row addresses, and ran `enc1k_d128` 4% and `enc512`
+/// 2–3% slower (medians, alternating binaries).
 macro_rules! tile_loop_6x4 {
-    ($(#[$doc:meta])* $name:ident, $sa:literal, $sa4:literal, [$d1:literal, $d2:literal, $d3:literal]) => {
+    (
+        $(#[$doc:meta])* $name:ident, $sa:literal, $sa4:literal, [$d1:literal, $d2:literal, $d3:literal],
+        $bs:ident => $bstep:expr, [$s0:tt, $s1:tt, $s2:tt, $s3:tt]
+    ) => {
         $(#[$doc])*
         #[inline]
         #[target_feature(enable = "avx512f")]
@@ -621,29 +627,31 @@ macro_rules! tile_loop_6x4 {
             if n == 0 {
                 return;
             }
-            // SAFETY: the caller guarantees the `a` rows and `b` panels of `n` steps.
+            let $bs = sb;
+            let bstep: usize = $bstep;
+            // SAFETY: the caller guarantees the `a` rows and `b` operands of `n` steps.
             unsafe {
                 std::arch::asm!(
                     "test {q}, {q}",
                     "jz 3f",
                     "2:",
-                    tile_step_6x4!("0", "0"),
-                    tile_step_6x4!($d1, "64"),
-                    tile_step_6x4!($d2, "128"),
-                    tile_step_6x4!($d3, "192"),
+                    tile_step_6x4!("0", $s0),
+                    tile_step_6x4!($d1, $s1),
+                    tile_step_6x4!($d2, $s2),
+                    tile_step_6x4!($d3, $s3),
                     concat!("add {g0}, ", $sa4),
                     concat!("add {g1}, ", $sa4),
-                    "add {b}, 256",
+                    "add {b}, {bstep4}",
                     "dec {q}",
                     "jnz 2b",
                     "3:",
                     "test {r}, {r}",
                     "jz 5f",
                     "4:",
-                    tile_step_6x4!("0", "0"),
+                    tile_step_6x4!("0", $s0),
                     concat!("add {g0}, ", $sa),
                     concat!("add {g1}, ", $sa),
-                    "add {b}, 64",
+                    "add {b}, {bstep}",
                     "dec {r}",
                     "jnz 4b",
                     "5:",
@@ -685,6 +693,8 @@ macro_rules! tile_loop_6x4 {
                     la = in(reg) la,
                     sb = in(reg) sb,
                     sb3 = in(reg) 3 * sb,
+                    bstep = in(reg) bstep,
+                    bstep4 = in(reg) 4 * bstep,
                     options(nostack, readonly),
                 );
             }
@@ -695,12 +705,37 @@ macro_rules! tile_loop_6x4 {
 tile_loop_6x4!(
     /// The 6×64 contraction over six row-major rows (`a` the first, `la` the row stride
     /// in bytes, 4 bytes per step) and four 16-lane panels (`b` the first, `sb` the panel
-    /// stride in bytes): [`pv_tile`]'s key loop on f32 V (P rows against V panels) and
-    /// [`qk_tile`]'s and [`qk_softmax`]'s (Q rows against K panels).
+    /// stride in bytes, 64 bytes per step): [`pv_tile`]'s key loop on packed f32 V (P
+    /// rows against V panels) and [`qk_tile`]'s and [`qk_softmax`]'s (Q rows against K
+    /// panels).
     rows_loop_6x4,
     "4",
     "16",
-    ["4", "8", "12"]
+    ["4", "8", "12"],
+    _sb => 64,
+    [
+        ["0", "{sb} + 0", "{sb}*2 + 0", "{sb3} + 0"],
+        ["64", "{sb} + 64", "{sb}*2 + 64", "{sb3} + 64"],
+        ["128", "{sb} + 128", "{sb}*2 + 128", "{sb3} + 128"],
+        ["192", "{sb} + 192", "{sb}*2 + 192", "{sb3} + 192"]
+    ]
+);
+
+tile_loop_6x4!(
+    /// [`rows_loop_6x4`] against 64 consecutive floats of each of `n` rows (`b` the
+    /// first, `sb` the row stride in bytes, one row per step): [`pv_tile`]'s key loop on
+    /// f32 V rows read in place (P rows against 64 columns of V).
+    rows_loop_6x4_in_rows,
+    "4",
+    "16",
+    ["4", "8", "12"],
+    sb => sb,
+    [
+        ["0", "64", "128", "192"],
+        ["{sb} + 0", "{sb} + 64", "{sb} + 128", "{sb} + 192"],
+        ["{sb}*2 + 0", "{sb}*2 + 64", "{sb}*2 + 128", "{sb}*2 + 192"],
+        ["{sb3} + 0", "{sb3} + 64", "{sb3} + 128", "{sb3} + 192"]
+    ]
 );
 
 /// One contraction step of [`gemm_loop_2p`] as assembly text: the W pair at byte
@@ -963,10 +998,11 @@ pub(super) unsafe fn pv(
     }
 }
 
-/// [`pv`] over two consecutive packed f32 V blocks at once (a super-block of
-/// `nk0 + nk1` keys; `nk1 == 0` for one): P has row stride `2·BK`, block 0's
-/// probabilities in columns `0..nk0` (`nk0 == BK` when `nk1 > 0`) and block 1's from
-/// column `nk0`. Each output tile is then loaded, rescaled and stored once per two blocks.
+/// [`pv`] over two consecutive f32 V blocks at once (a super-block of `nk0 + nk1` keys;
+/// `nk1 == 0` for one), both packed or both rows in place (V panel stride `vps`, row
+/// stride `ldv`, as in [`pv`]): P has row stride `2·BK`, block 0's probabilities in
+/// columns `0..nk0` (`nk0 == BK` when `nk1 > 0`) and block 1's from column `nk0`. Each
+/// output tile is then loaded, rescaled and stored once per two blocks.
 ///
 /// # Safety
 /// AVX-512F must be available.
@@ -976,7 +1012,7 @@ pub(super) unsafe fn pv_pair(
     rows: usize,
     (v0, nk0): (&[f32], usize),
     (v1, nk1): (&[f32], usize),
-    vps: usize,
+    (vps, ldv): (usize, usize),
     nvp: usize,
     o: &mut [f32],
     ldo: usize,
@@ -986,7 +1022,7 @@ pub(super) unsafe fn pv_pair(
     assert!(rows.is_multiple_of(MR) && BK >= nk0 && BK >= nk1 && (nk1 == 0 || nk0 == BK));
     assert!(ldo >= nvp * NR && alpha.len() >= rows && p.len() >= rows * ldp);
     for (v, nk) in [(v0, nk0), (v1, nk1)] {
-        assert!(nvp == 0 || nk == 0 || v.len() >= (nvp - 1) * vps + (nk - 1) * NR + NR);
+        assert!(nvp == 0 || nk == 0 || v.len() >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
     }
     assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
@@ -996,7 +1032,7 @@ pub(super) unsafe fn pv_pair(
             ldp,
             segs: [(v0.as_ptr() as *const u8, nk0), (v1.as_ptr() as *const u8, nk1)],
             vps,
-            ldv: NR,
+            ldv,
             ahead: 0,
         };
         pv_impl::<2>(src, rows, rows, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
@@ -1136,13 +1172,19 @@ unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const G: usize>(
         }
     }
     let mut ps = src.p;
-    if R == MR && N == 4 && T == F32 && ldv == NR {
+    if R == MR && N == 4 && T == F32 && (ldv == NR || vps == NR) {
         // SAFETY: with `R == 6` and `N == 4`, `acc` is a `[[__m512; 4]; 6]`; the P rows
         // and V panels are those the loop below would read.
         let a6 = unsafe { &mut *(acc.as_mut_ptr() as *mut [[__m512; 4]; 6]) };
         for &(vb, nk) in &src.segs[..G] {
             let v = (vb as *const f32).wrapping_add(v0);
-            rows_loop_6x4(a6, ps, ldp * 4, v, vps * 4, nk);
+            if ldv == NR {
+                // Packed V: a panel row per key.
+                rows_loop_6x4(a6, ps, ldp * 4, v, vps * 4, nk);
+            } else {
+                // V rows in place: four adjacent panels per key.
+                rows_loop_6x4_in_rows(a6, ps, ldp * 4, v, ldv * 4, nk);
+            }
             ps = ps.add(nk);
         }
     } else {
@@ -2109,6 +2151,113 @@ pub(crate) unsafe fn store_bf16(dst: *mut half::bf16, src: &[f32], scale: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `P·V` on f32 V rows read in place (`vps = NR`, any row stride: the rows' own width,
+    /// wider, or 0 for a broadcast row) gives the bits of the same product on the packed
+    /// V block (`pack::pack_v`'s layout), and both are within f32 rounding of an f64
+    /// product: [`pv`] for strips of 6–144 rows, the decode path's live rows below 6, and
+    /// key counts that leave every remainder of the 4-step unroll; [`pv_pair`] for one
+    /// and two blocks. Outputs of 64 and 128 columns, as the driver reads in place.
+    #[test]
+    fn pv_reads_v_rows_in_place_as_packed() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
+            eprintln!("note: no AVX-512F/DQ on this machine; in-place V not exercised");
+            return;
+        }
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        // Packs `nk` rows (stride `ld`) into panels `[nvp][BK][NR]`.
+        let pack = |src: &[f32], ld: usize, nk: usize, ev: usize| {
+            let mut vp = vec![0f32; ev * BK];
+            for j in 0..nk {
+                for c in 0..ev {
+                    vp[(c / NR) * BK * NR + j * NR + c % NR] = src[j * ld + c];
+                }
+            }
+            vp
+        };
+        for ev in [64usize, 128] {
+            let nvp = ev / NR;
+            for ld in [ev, ev + 48, 0] {
+                let src: Vec<f32> = (0..2 * BK * ld.max(1) + ev).map(|i| val(i, 5)).collect();
+                for (rows, live) in [(6, 6), (6, 1), (6, 5), (12, 12), (18, 18), (144, 144)] {
+                    let p: Vec<f32> = (0..rows * 2 * BK).map(|i| val(i, 7) + 1.0).collect();
+                    let alpha: Vec<f32> = (0..rows).map(|r| 0.5 + r as f32 / 64.0).collect();
+                    let o0: Vec<f32> = (0..rows * ev).map(|i| val(i, 13)).collect();
+                    for nk in [0usize, 1, 2, 3, 4, 5, 7, 17, 62, 63, 64] {
+                        let vp = pack(&src, ld, nk, ev);
+                        let (mut packed, mut rows_in) = (o0.clone(), o0.clone());
+                        // SAFETY: AVX-512F and DQ detected above.
+                        unsafe {
+                            pv(&p, rows, live, nk, &vp, BK * NR, NR, nvp, &mut packed, ev, &alpha);
+                            pv(&p, rows, live, nk, &src, NR, ld, nvp, &mut rows_in, ev, &alpha);
+                        }
+                        for r in 0..live {
+                            for c in 0..ev {
+                                let at = r * ev + c;
+                                let (a, b) = (packed[at], rows_in[at]);
+                                assert_eq!(
+                                    a.to_bits(),
+                                    b.to_bits(),
+                                    "ev {ev} ld {ld} rows {rows} nk {nk}: ({r}, {c}) {a} against {b}"
+                                );
+                                let mut want = alpha[r] as f64 * o0[at] as f64;
+                                let mut mag = want.abs();
+                                for j in 0..nk {
+                                    let t = p[r * BK + j] as f64 * src[j * ld + c] as f64;
+                                    want += t;
+                                    mag += t.abs();
+                                }
+                                assert!(
+                                    (b as f64 - want).abs() <= 1e-6 * mag,
+                                    "ev {ev} ld {ld} nk {nk}: ({r}, {c}) {b} against {want}"
+                                );
+                            }
+                        }
+                    }
+                    if live < rows {
+                        continue;
+                    }
+                    // Two blocks at once: P rows of 2·BK, block 1 from key BK on.
+                    for nk1 in [0usize, 1, 5, 64] {
+                        let (vp0, vp1) = (pack(&src, ld, BK, ev), pack(&src[BK * ld..], ld, nk1, ev));
+                        let (mut packed, mut rows_in) = (o0.clone(), o0.clone());
+                        // SAFETY: AVX-512F and DQ detected above.
+                        unsafe {
+                            pv_pair(
+                                &p,
+                                rows,
+                                (&vp0, BK),
+                                (&vp1, nk1),
+                                (BK * NR, NR),
+                                nvp,
+                                &mut packed,
+                                ev,
+                                &alpha,
+                            );
+                            pv_pair(
+                                &p,
+                                rows,
+                                (&src, BK),
+                                (&src[BK * ld..], nk1),
+                                (NR, ld),
+                                nvp,
+                                &mut rows_in,
+                                ev,
+                                &alpha,
+                            );
+                        }
+                        for (at, (a, b)) in packed.iter().zip(&rows_in).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "pair: ev {ev} ld {ld} rows {rows} nk1 {nk1}: {at}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     /// `softmax_row_bf16` against f64 on rows of 1, 3, 4 and 16 chunks (the 32-key steps
     /// of the all-visible pass and their 16-key tail), all visible or a part, a row's

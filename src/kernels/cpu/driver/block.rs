@@ -149,7 +149,19 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
     let evp = ev.div_ceil(NR) * NR;
     let nvp = evp / NR;
     let kbl = k_block_len(BK, e);
-    let vbl = v_block_len(BK, ev);
+    let vbl = v_pack_len(p);
+    // V rows read in place: the operand of keys `j0..` (as `&[f32]`) and the row stride.
+    let v_rows = v_rows_in_place(p);
+    let v_from = |j0: usize| v_rows.map(|(v, ld)| (&v[p.v.row_offset(bb, kvh, j0)..], ld));
+    // Asks for V rows `j0..j0 + nk` read in place, before the block's scores: they come
+    // from where the caller left them, not from a pack just written.
+    let ask_v = |j0: usize, nk: usize| {
+        if let Some((vs, ldv)) = v_from(j0) {
+            for j in 0..nk {
+                prefetch_bytes(vs.as_ptr().wrapping_add(j * ldv) as *const u8, ev * 4);
+            }
+        }
+    };
     let isa = p.isa;
 
     let Scratch {
@@ -275,6 +287,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 && kb + 1 < kend
                 && !(p.bounded() && !(max_lo <= j0 && min_hi >= j0 + nk2));
             if pair {
+                ask_v(j0, nk2);
                 let lds = 2 * BK;
                 let (b0, b1) = (kb * (kbl + vbl), (kb + 1) * (kbl + vbl));
                 let (k0, k1) = (&grp[b0..b0 + kbl], &grp[b1..b1 + kbl]);
@@ -313,8 +326,15 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     let rows_of = RowsOf { bb, hh, ii, lo, hi };
                     online_rows(p, &rows_of, (sb, lds, n), (j0, nk2, false), (m, lsum, alpha));
                 }
-                let v0 = &grp[b0 + kbl..b0 + kbl + vbl];
-                let v1 = &grp[b1 + kbl..b1 + kbl + vbl];
+                let (v0, v1, vps, ldv) = match (v_from(j0), v_from(j0 + BK)) {
+                    (Some((v0, ldv)), Some((v1, _))) => (v0, v1, NR, ldv),
+                    _ => (
+                        &grp[b0 + kbl..b0 + kbl + vbl],
+                        &grp[b1 + kbl..b1 + kbl + vbl],
+                        BK * NR,
+                        NR,
+                    ),
+                };
                 // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
                 unsafe {
                     avx512::pv_pair(
@@ -322,7 +342,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                         rows,
                         (v0, BK),
                         (v1, nk2 - BK),
-                        BK * NR,
+                        (vps, ldv),
                         nvp,
                         o.as_mut_slice(),
                         evp,
@@ -412,8 +432,12 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             }
             KvSrc::Packed(grp) => {
                 let base = kb * (kbl + vbl);
+                ask_v(j0, nk);
                 qk(&grp[base..base + kbl], sb);
-                (&grp[base + kbl..base + kbl + vbl], BK * NR, NR)
+                match v_from(j0) {
+                    Some((vs, ldv)) => (vs, NR, ldv),
+                    None => (&grp[base + kbl..base + kbl + vbl], BK * NR, NR),
+                }
             }
             // (`PackedAmx` only reaches here through a bug in `run_block`; packing the
             // f32 block on the fly is still correct.)
@@ -615,6 +639,38 @@ pub(super) fn online_rows(
         row[z..].fill(0.0);
         lsum[r] = lsum[r] * al + sum;
         m[r] = m_new;
+    }
+}
+
+/// The f32 V rows that the AVX-512 prefill reads in place instead of packing them:
+/// `Some((storage, row stride))` when V is f32 with unit inner stride and `Ev` is a
+/// non-zero multiple of 64, so that each key's row holds whole 6×64 tiles' operands.
+/// The `P·V` tiles then load four adjacent panels of one row per key
+/// (`avx512::rows_loop_6x4_in_rows`) instead of one row of four packed panels; the
+/// products and their order are the same, so the output is too. With `Ev = 32`
+/// (MiniLM's heads), whose tiles run in intrinsics, it was not faster (kernel notes).
+pub(super) fn v_rows_in_place<'a>(p: &Problem<'a>) -> Option<(&'a [f32], usize)> {
+    match p.v.data {
+        super::super::view::Data::F32(v)
+            if cfg!(target_arch = "x86_64")
+                && p.isa == Isa::Avx512
+                && p.v.strides[3] == 1
+                && p.ev > 0
+                && p.ev.is_multiple_of(4 * NR) =>
+        {
+            Some((v, p.v.strides[2]))
+        }
+        _ => None,
+    }
+}
+
+/// Floats of one packed V block of the f32 prefill: none when V is read in place
+/// ([`v_rows_in_place`]).
+pub(super) fn v_pack_len(p: &Problem) -> usize {
+    if v_rows_in_place(p).is_some() {
+        0
+    } else {
+        v_block_len(BK, p.ev)
     }
 }
 

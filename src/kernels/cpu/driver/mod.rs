@@ -10,6 +10,7 @@ use super::decode::{rows_f32, DECODE_MAX_ROWS, K_ALIGN, V_ALIGN};
 use super::exp::exp2_scalar;
 use super::isa::Isa;
 use super::pack::{k_block_len, pack_k, pack_v, v_block_len};
+use super::prefetch::prefetch_bytes;
 use super::store::OutElem;
 use super::tiles::{BK, MR, NR};
 use super::view::{MaskView, View};
@@ -537,14 +538,18 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
         );
         return;
     }
+    // f32 V rows that the AVX-512 tiles read in place are not packed (`v_pack_len` 0).
+    let v_packed = block::v_rows_in_place(p).is_none();
     prefill::<T, f32, _>(
         p,
         (blocks, slots, nbg, &cost),
-        (k_block_len(BK, e), v_block_len(BK, ev)),
+        (k_block_len(BK, e), block::v_pack_len(p)),
         || vec![0f32; NR * e.max(ev.div_ceil(NR) * NR)],
         |tmp, (kc, vc), (bb, kvh, j0, nk)| {
             pack_k(p.isa, &p.k, bb, kvh, j0, nk, e, kc, tmp);
-            pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
+            if v_packed {
+                pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vc, tmp);
+            }
         },
         |g| KvSrc::Packed(g),
     );
