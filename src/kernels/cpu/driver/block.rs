@@ -155,12 +155,16 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
     let v_from = |j0: usize| v_rows.map(|(v, ld)| (&v[p.v.row_offset(bb, kvh, j0)..], ld));
     // Asks for V rows `j0..j0 + nk` read in place, before the block's scores: they come
     // from where the caller left them, not from a pack just written.
+    // (Only x86-64 reads V in place; `v_from` is `None` elsewhere.)
     let ask_v = |j0: usize, nk: usize| {
+        #[cfg(target_arch = "x86_64")]
         if let Some((vs, ldv)) = v_from(j0) {
             for j in 0..nk {
                 prefetch_bytes(vs.as_ptr().wrapping_add(j * ldv) as *const u8, ev * 4);
             }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (j0, nk);
     };
     let isa = p.isa;
 

@@ -10,6 +10,7 @@ use super::decode::{rows_f32, DECODE_MAX_ROWS, K_ALIGN, V_ALIGN};
 use super::exp::exp2_scalar;
 use super::isa::Isa;
 use super::pack::{k_block_len, pack_k, pack_v, v_block_len};
+#[cfg(target_arch = "x86_64")]
 use super::prefetch::prefetch_bytes;
 use super::store::OutElem;
 use super::tiles::{BK, MR, NR};
