@@ -608,10 +608,11 @@ macro_rules! tile_step_6x4 {
 
 /// A 6×64 register-tile loop in assembly: `n` steps of `acc[r][i] += a_r · b_i`, where
 /// step `x` broadcasts `a_r` from byte `r%3·la + x·$sa` of group pointer `r/3`
-/// (`g1 = a + 3·la`) and loads `b_i` (16 lanes) from `b` at the addresses of `$steps`
-/// (the four steps of one pass, each a list of four address texts over `{sb}` and
-/// `{sb3} = 3·sb`), after which `b` moves on by `4·$bs` bytes (the tail's single steps
-/// use the first step's addresses and move on by `$bs`). Per step 4 loads, 6 broadcasts
+/// (`g1 = a + 3·la`) and loads `b_i` (16 lanes) from `b` at the addresses of
+/// `[$s0, $s1, $s2, $s3]` (the four steps of one pass, each a list of four address texts
+/// over `{sb}` and `{sb3} = 3·sb`), after which `b` moves on by `4·$bstep` bytes
+/// (`$bstep` an expression in which `$bs` names `sb`; the tail's single steps use `$s0`
+/// and move on by `$bstep`). Per step 4 loads, 6 broadcasts
 /// and 24 FMAs; four steps share one set of pointer updates. The compiled intrinsics
 /// spent integer work per step on row addresses, and ran `enc1k_d128` 4% and `enc512`
 /// 2–3% slower (medians, alternating binaries).
