@@ -2158,7 +2158,8 @@ mod tests {
     /// V block (`pack::pack_v`'s layout), and both are within f32 rounding of an f64
     /// product: [`pv`] for strips of 6–144 rows, the decode path's live rows below 6, and
     /// key counts that leave every remainder of the 4-step unroll; [`pv_pair`] for one
-    /// and two blocks. Outputs of 64 and 128 columns, as the driver reads in place.
+    /// and two blocks. Outputs of 16 to 128 columns (every tile width of [`pv_impl`]), as
+    /// the driver reads in place.
     #[test]
     fn pv_reads_v_rows_in_place_as_packed() {
         if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
@@ -2176,7 +2177,7 @@ mod tests {
             }
             vp
         };
-        for ev in [64usize, 128] {
+        for ev in [16usize, 32, 48, 64, 80, 128] {
             let nvp = ev / NR;
             for ld in [ev, ev + 48, 0] {
                 let src: Vec<f32> = (0..2 * BK * ld.max(1) + ev).map(|i| val(i, 5)).collect();

@@ -648,11 +648,10 @@ pub(super) fn online_rows(
 
 /// The f32 V rows that the AVX-512 prefill reads in place instead of packing them:
 /// `Some((storage, row stride))` when V is f32 with unit inner stride and `Ev` is a
-/// non-zero multiple of 64, so that each key's row holds whole 6×64 tiles' operands.
-/// The `P·V` tiles then load four adjacent panels of one row per key
-/// (`avx512::rows_loop_6x4_in_rows`) instead of one row of four packed panels; the
-/// products and their order are the same, so the output is too. With `Ev = 32`
-/// (MiniLM's heads), whose tiles run in intrinsics, it was not faster (kernel notes).
+/// non-zero multiple of 16, so that each key's row holds whole 16-lane panels. The
+/// `P·V` tiles then load adjacent panels of one row per key (the 6×64 tiles in
+/// `avx512::rows_loop_6x4_in_rows`) instead of one row of each packed panel; the
+/// products and their order are the same, so the output is too.
 pub(super) fn v_rows_in_place<'a>(p: &Problem<'a>) -> Option<(&'a [f32], usize)> {
     match p.v.data {
         super::super::view::Data::F32(v)
@@ -660,7 +659,7 @@ pub(super) fn v_rows_in_place<'a>(p: &Problem<'a>) -> Option<(&'a [f32], usize)>
                 && p.isa == Isa::Avx512
                 && p.v.strides[3] == 1
                 && p.ev > 0
-                && p.ev.is_multiple_of(4 * NR) =>
+                && p.ev.is_multiple_of(NR) =>
         {
             Some((v, p.v.strides[2]))
         }
