@@ -1,0 +1,560 @@
+//! The AVX-512 decode kernels: scores and `P·V` against K/V rows read in place (f32, or
+//! f16/bf16 widened in registers), for the few query rows of a decode step.
+
+use super::products::{pv_tile, PvSrc};
+use super::*;
+
+/// What the row-reading score kernels ([`qk_dot_raw`]) ask for ahead of reading it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Ahead {
+    /// Nothing.
+    Off,
+    /// Each K row `n` rows ahead, whole, as a row is read (decode: the rows of one head,
+    /// at any row stride, mostly of 64–256 elements).
+    Keys(usize),
+    /// Each 64-byte line `n` bytes past the one being read (`linear`: weight rows of
+    /// thousands of elements stored one after the other, read as one stream).
+    Bytes(usize),
+}
+
+impl Ahead {
+    /// How far past the start of the row being read (rows `ldk` elements of `size` bytes
+    /// apart) [`Ahead::Keys`] and [`Ahead::Bytes`] ask, in bytes (0 for [`Ahead::Off`]).
+    #[inline]
+    fn row_offset(self, ldk: usize, size: usize) -> usize {
+        match self {
+            Ahead::Off => 0,
+            Ahead::Keys(n) => n * ldk * size,
+            Ahead::Bytes(n) => n,
+        }
+    }
+}
+
+/// Puts each whole 32-element group of `row` in the split layout of
+/// [`load32_bf16_split`]: its 16 even elements, then its 16 odd ones. A tail of fewer
+/// than 32 stays as it is.
+pub(in crate::kernels::cpu) fn split_pairs(row: &mut [f32]) {
+    for g in row.chunks_exact_mut(32) {
+        let t: [f32; 32] = std::array::from_fn(|i| g[(i % 16) * 2 + i / 16]);
+        g.copy_from_slice(&t);
+    }
+}
+
+/// The inverse of [`split_pairs`] on the first `groups` 32-element groups of `row`.
+pub(in crate::kernels::cpu) fn merge_pairs(row: &mut [f32], groups: usize) {
+    for g in row.chunks_exact_mut(32).take(groups) {
+        let t: [f32; 32] = std::array::from_fn(|i| g[(i % 2) * 16 + i / 2]);
+        g.copy_from_slice(&t);
+    }
+}
+
+/// See [`super::super::portable::qk_dot`]: scores against row-major keys (decode path).
+/// `rows` must be a multiple of [`MR`]; any `e`. Only the first `live` rows are computed
+/// (the rest are padding and get 0).
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::kernels::cpu) unsafe fn qk_dot(
+    q: &[f32],
+    rows: usize,
+    live: usize,
+    e: usize,
+    k: &[f32],
+    ldk: usize,
+    nk: usize,
+    s: &mut [f32],
+    lds: usize,
+) {
+    assert!(rows.is_multiple_of(MR) && lds >= nk && q.len() >= rows * e);
+    assert!(nk == 0 || k.len() >= (nk - 1) * ldk + e);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        qk_dot_impl::<F32>(
+            q.as_ptr(),
+            rows,
+            live.min(rows),
+            e,
+            (k.as_ptr() as *const u8, ldk, nk, Ahead::Off),
+            s.as_mut_ptr(),
+            lds,
+        )
+    }
+}
+
+/// [`qk_dot`] with K rows read straight from the source (f32, bf16 or f16), widened in
+/// registers (decode path). Half-precision keys need `e % 16 == 0`. With bf16 keys, the
+/// Q rows must be in the split layout of [`split_pairs`]. `ahead` says what to ask for
+/// ahead of reading it (a hint: results do not depend on it).
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::kernels::cpu) unsafe fn qk_dot_raw(
+    q: &[f32],
+    rows: usize,
+    live: usize,
+    e: usize,
+    k: Data,
+    (ldk, nk, ahead): (usize, usize, Ahead),
+    s: &mut [f32],
+    lds: usize,
+) {
+    let (ptr, len) = data_ptr(k);
+    assert!(rows.is_multiple_of(MR) && lds >= nk && q.len() >= rows * e);
+    assert!(matches!(k, Data::F32(_)) || e.is_multiple_of(16));
+    assert!(nk == 0 || len >= (nk - 1) * ldk + e);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
+    let (qp, live, sp) = (q.as_ptr(), live.min(rows), s.as_mut_ptr());
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        match k {
+            Data::F32(_) => qk_dot_impl::<F32>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds),
+            Data::BF16(_) => qk_dot_impl::<BF16>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds),
+            Data::F16(_) => qk_dot_impl::<F16>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds),
+        }
+    }
+}
+
+/// Horizontal sums of 16 registers at once: lane `i` of the result is `Σ regs[i]`, by a
+/// transpose-and-add tree (15 shuffle pairs instead of 16 full reductions).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce16(regs: [__m512; 16]) -> __m512 {
+    // 16 → 8: within each 128-bit lane, (a0 + a2, b0 + b2, a1 + a3, b1 + b3).
+    let b: [__m512; 8] = std::array::from_fn(|i| {
+        let (x0, x1) = (regs[2 * i], regs[2 * i + 1]);
+        _mm512_add_ps(_mm512_unpacklo_ps(x0, x1), _mm512_unpackhi_ps(x0, x1))
+    });
+    // 8 → 4: each 128-bit lane holds partial sums of four consecutive registers.
+    let c: [__m512; 4] = std::array::from_fn(|i| {
+        let (x0, x1) = (b[2 * i], b[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(x0, x1),
+            _mm512_shuffle_ps::<0xEE>(x0, x1),
+        )
+    });
+    // 4 → 2 → 1: sum the four 128-bit lanes of each group.
+    let d: [__m512; 2] = std::array::from_fn(|i| {
+        let (x0, x1) = (c[2 * i], c[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(x0, x1),
+            _mm512_shuffle_f32x4::<0xEE>(x0, x1),
+        )
+    });
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(d[0], d[1]),
+        _mm512_shuffle_f32x4::<0xDD>(d[0], d[1]),
+    )
+}
+
+/// Decode scores `S = Q·Kᵀ` (`q`: `rows × e` row-major; K row `j` at element `j·ldk`;
+/// `s`: row stride `lds`) that walk each K row to its end before the next, keys in
+/// order. The hardware prefetchers follow such reads from DRAM; they did not follow the
+/// earlier kernel's, which read 16 (one live row) or 4 keys' rows interleaved, 64 bytes
+/// of each in turn (on the Zen 4 VM a plain read of 64-key K/V blocks in row order ran
+/// at 25–32 GB/s on both threads, with rows interleaved 4 or 16 at a time at 12–20).
+/// Live rows go in strips of up to 8 (E = 64 and 128), 4 (E = 256) or [`MR`] (other
+/// head sizes); each strip reads the K block once (the first from memory, the others
+/// from cache). Padding rows (`live..rows`) get zero scores.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_dot_impl<const T: u8>(
+    q: *const f32,
+    rows: usize,
+    live: usize,
+    e: usize,
+    (k, ldk, nk, ahead): (*const u8, usize, usize, Ahead),
+    s: *mut f32,
+    lds: usize,
+) {
+    let mut r0 = 0;
+    while r0 < live {
+        let (qs, sp) = (q.add(r0 * e), s.add(r0 * lds));
+        let rem = live - r0;
+        // Common head sizes: strips of up to 8 rows (4 with 256 elements), up to 16
+        // vectors of Q in registers.
+        let r = match e {
+            64 | 128 => rem.min(8),
+            256 => rem.min(4),
+            _ => rem.min(MR),
+        };
+        let args = (qs, k, ldk, nk, sp, lds, ahead);
+        let kr = (k, ldk, nk, ahead);
+        match (e, r) {
+            (64, 1) => qk_rows_strip_reg::<T, 1, 1, 4>(args),
+            (64, 2) => qk_rows_strip_reg::<T, 2, 2, 4>(args),
+            (64, 3) => qk_rows_strip_reg::<T, 3, 3, 4>(args),
+            (64, 4) => qk_rows_strip_reg::<T, 4, 4, 4>(args),
+            (64, 5) => qk_rows_strip_reg::<T, 5, 4, 4>(args),
+            (64, 6) => qk_rows_strip_reg::<T, 6, 4, 4>(args),
+            (64, 7) => qk_rows_strip_reg::<T, 7, 4, 4>(args),
+            (64, _) => qk_rows_strip_reg::<T, 8, 4, 4>(args),
+            (128, 1) => qk_rows_strip_reg::<T, 1, 1, 8>(args),
+            (128, 2) => qk_rows_strip_reg::<T, 2, 2, 8>(args),
+            (128, 3) => qk_rows_strip_reg::<T, 3, 2, 8>(args),
+            (128, 4) => qk_rows_strip_reg::<T, 4, 2, 8>(args),
+            (128, 5) => qk_rows_strip_reg::<T, 5, 2, 8>(args),
+            (128, 6) => qk_rows_strip_reg::<T, 6, 2, 8>(args),
+            (128, 7) => qk_rows_strip_reg::<T, 7, 2, 8>(args),
+            (128, _) => qk_rows_strip_reg::<T, 8, 2, 8>(args),
+            (256, 1) => qk_rows_strip_reg::<T, 1, 1, 16>(args),
+            (256, 2) => qk_rows_strip_reg::<T, 2, 1, 16>(args),
+            (256, 3) => qk_rows_strip_reg::<T, 3, 1, 16>(args),
+            (256, _) => qk_rows_strip_reg::<T, 4, 1, 16>(args),
+            (_, 1) => qk_rows_strip::<T, 1>(qs, e, kr, sp, lds),
+            (_, 2) => qk_rows_strip::<T, 2>(qs, e, kr, sp, lds),
+            (_, 3) => qk_rows_strip::<T, 3>(qs, e, kr, sp, lds),
+            (_, 4) => qk_rows_strip::<T, 4>(qs, e, kr, sp, lds),
+            (_, 5) => qk_rows_strip::<T, 5>(qs, e, kr, sp, lds),
+            _ => qk_rows_strip::<T, MR>(qs, e, kr, sp, lds),
+        }
+        r0 += r;
+    }
+    // Padding rows get zero scores.
+    for r in live..rows {
+        std::ptr::write_bytes(s.add(r * lds), 0, nk);
+    }
+}
+
+/// `(Q strip rows, K base, K row stride, key count, score rows, score row stride, what
+/// to ask for ahead)`.
+type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize, Ahead);
+
+/// [`qk_dot_impl`] for `R` rows of `e = 16·EQ` elements, the first `QR` of them held in
+/// registers (`QR·EQ ≤ 16` vectors) and the others read from L1 by their FMAs: per key,
+/// `EQ` K loads (bf16: `EQ / 2` split loads) and `R·EQ` FMAs. One strip of up to 8 rows
+/// reads each K row once, where strips of only the rows whose Q fits in registers read
+/// it once per strip. Measured on the Intel Xeon VM (one thread, f32, 64 keys of 128
+/// elements in L1, best of five): 2.99 ns per key and row with 8 rows against 4.70
+/// with 2 (kernel notes, "Score strips of up to 8 rows").
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const EQ: usize>(
+    (qs, k, ldk, nk, s, lds, ahead): DotArgs,
+) {
+    debug_assert!(QR <= R && QR * EQ <= 16);
+    let mut qv = [[_mm512_setzero_ps(); EQ]; QR];
+    for (r, row) in qv.iter_mut().enumerate() {
+        for (i, x) in row.iter_mut().enumerate() {
+            *x = _mm512_loadu_ps(qs.add(r * EQ * 16 + i * 16));
+        }
+    }
+    // Row `r`'s Q vector `i`: a register for the first `QR` rows, else read from L1.
+    let qat = |qv: &[[__m512; EQ]; QR], r: usize, i: usize| {
+        if r < QR {
+            qv[r][i]
+        } else {
+            _mm512_loadu_ps(qs.add(r * EQ * 16 + i * 16))
+        }
+    };
+    // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
+    // sums from the previous 16 keys, which the masked store drops).
+    let mut part = [[_mm512_setzero_ps(); 16]; R];
+    let size = elem_bytes::<T>();
+    // Rows of at most 256 elements: the row ahead is asked for whole in either mode.
+    let skip = ahead.row_offset(ldk, size);
+    let mut j = 0;
+    while j < nk {
+        let cnt = (nk - j).min(16);
+        for c in 0..cnt {
+            let kr = (j + c) * ldk;
+            if skip > 0 {
+                prefetch_bytes(k.wrapping_add(kr * size + skip), EQ * 16 * size);
+            }
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut i = 0;
+            while i < EQ {
+                if T == BF16 && i + 1 < EQ {
+                    let (k0, k1) = load32_bf16_split((k as *const u16).add(kr + i * 16));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(qat(&qv, r, i + 1), k1, _mm512_fmadd_ps(qat(&qv, r, i), k0, *a));
+                    }
+                    i += 2;
+                } else {
+                    let kv = load16::<T>(k, kr + i * 16);
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(qat(&qv, r, i), kv, *a);
+                    }
+                    i += 1;
+                }
+            }
+            for (p, a) in part.iter_mut().zip(acc) {
+                p[c] = a;
+            }
+        }
+        for (r, p) in part.iter().enumerate() {
+            _mm512_mask_storeu_ps(s.add(r * lds + j), tail_mask_full(cnt), reduce16(*p));
+        }
+        j += 16;
+    }
+}
+
+/// [`qk_dot_impl`] for `R` rows: per key, one pass over its row (e/16 loads, shared by
+/// the `R` rows); the partial sums of 16 keys are reduced together ([`reduce16`]).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_rows_strip<const T: u8, const R: usize>(
+    qs: *const f32,
+    e: usize,
+    (k, ldk, nk, ahead): (*const u8, usize, usize, Ahead),
+    s: *mut f32,
+    lds: usize,
+) {
+    let full = e / 16 * 16;
+    let tm = tail_mask(e - full);
+    // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
+    // sums from the previous 16 keys, which the masked store drops).
+    let mut part = [[_mm512_setzero_ps(); 16]; R];
+    let size = elem_bytes::<T>();
+    // `Keys`: the whole row ahead, once per row; `Bytes`: one line per 64 bytes read,
+    // spread over the row (a whole long row at once took more time than none; kernel
+    // notes).
+    let (row, line) = match ahead {
+        Ahead::Keys(_) => (ahead.row_offset(ldk, size), 0),
+        Ahead::Bytes(n) => (0, n),
+        Ahead::Off => (0, 0),
+    };
+    let mut j = 0;
+    while j < nk {
+        let cnt = (nk - j).min(16);
+        for c in 0..cnt {
+            let kr = (j + c) * ldk;
+            if row > 0 {
+                prefetch_bytes(k.wrapping_add(kr * size + row), e * size);
+            }
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut x = 0;
+            if T == BF16 {
+                while x + 32 <= e {
+                    if line > 0 {
+                        prefetch_bytes(k.wrapping_add((kr + x) * size + line), 64);
+                    }
+                    let (k0, k1) = load32_bf16_split((k as *const u16).add(kr + x));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let qr = qs.add(r * e + x);
+                        *a = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(qr.add(16)),
+                            k1,
+                            _mm512_fmadd_ps(_mm512_loadu_ps(qr), k0, *a),
+                        );
+                    }
+                    x += 32;
+                }
+            }
+            while x < full {
+                if line > 0 && (x * size).is_multiple_of(64) {
+                    prefetch_bytes(k.wrapping_add((kr + x) * size + line), 64);
+                }
+                let kv = load16::<T>(k, kr + x);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(qs.add(r * e + x)), kv, *a);
+                }
+                x += 16;
+            }
+            if full < e && T == F32 {
+                let kv = _mm512_maskz_loadu_ps(tm, (k as *const f32).add(kr + full));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tm, qs.add(r * e + full)), kv, *a);
+                }
+            }
+            for (p, a) in part.iter_mut().zip(acc) {
+                p[c] = a;
+            }
+        }
+        for (r, p) in part.iter().enumerate() {
+            _mm512_mask_storeu_ps(s.add(r * lds + j), tail_mask_full(cnt), reduce16(*p));
+        }
+        j += 16;
+    }
+}
+
+/// Decode `O = α·O + P·V` for the first `live` rows that walks each V row to its end
+/// before the next, keys in order (see [`qk_dot_impl`] for why): P `live × nk` with row
+/// stride [`BK`]; V row `j` at element `j·ldv` of `v` (f32, or half precision read in
+/// place and widened in registers); `nvp` 16-column output panels; `o` with row stride
+/// `ldo`; each tile asks for its columns of the V row `ahead` keys on (0: nothing; a
+/// hint, results do not depend on it). Tiles of `R` rows × `N` panels (`R·N ≤ 24`
+/// accumulators) each run over all keys; where one tile spans every panel (`nvp` of 1,
+/// 2, 4, 8 or 16), the first tile reads the block's V rows in memory order and the later
+/// tiles find them in cache.
+/// Chunks of panels are capped so that tiles hold more rows: at 8 panels for 2 live
+/// rows and at 4 for 3 or more, except for f32 rows with `nvp ≤ 8`, whose chunks stay
+/// whole (from DRAM, f32 rows read in 4-panel chunks ran up to 16% slower on the Intel
+/// VM; kernel notes, "`P·V` tiles of more rows").
+/// For bf16 rows, the output columns of each whole panel pair (`2m`, `2m + 1 < nvp`)
+/// come out in the split layout of [`split_pairs`]: the caller applies
+/// [`merge_pairs`] once all keys are in.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::kernels::cpu) unsafe fn pv_rows(
+    p: &[f32],
+    live: usize,
+    nk: usize,
+    v: Data,
+    (ldv, nvp, ahead): (usize, usize, usize),
+    o: &mut [f32],
+    ldo: usize,
+    alpha: &[f32],
+) {
+    let (ptr, len) = data_ptr(v);
+    assert!(BK >= nk && ldo >= nvp * NR && alpha.len() >= live);
+    assert!(live == 0 || p.len() >= (live - 1) * BK + nk);
+    assert!(nvp == 0 || nk == 0 || len >= (nk - 1) * ldv + nvp * NR);
+    assert!(live == 0 || o.len() >= (live - 1) * ldo + nvp * NR);
+    let (pp, op, al) = (p.as_ptr(), o.as_mut_ptr(), alpha.as_ptr());
+    // SAFETY: bounds asserted above; features guaranteed by the caller.
+    unsafe {
+        match v {
+            Data::F32(_) => pv_rows_impl::<F32>(pp, (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
+            Data::BF16(_) => pv_rows_impl::<BF16>(pp, (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
+            Data::F16(_) => pv_rows_impl::<F16>(pp, (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_rows_impl<const T: u8>(
+    p: *const f32,
+    (live, nk): (usize, usize),
+    v: *const u8,
+    (ldv, nvp, ahead): (usize, usize, usize),
+    o: *mut f32,
+    ldo: usize,
+    alpha: *const f32,
+) {
+    // Panel chunks of 16, 8, 4, 2, 1 (even starts, so bf16 pairs stay whole), at most
+    // `cap` panels (see `pv_rows`).
+    let cap = match live {
+        _ if T == F32 && nvp <= 8 => 16,
+        0 | 1 => 16,
+        2 => 8,
+        _ => 4,
+    };
+    let mut n0 = 0;
+    while n0 < nvp {
+        let n = [16, 8, 4, 2, 1]
+            .into_iter()
+            .find(|&c| c <= (nvp - n0).min(cap))
+            .unwrap_or(1);
+        let mut r0 = 0;
+        while r0 < live {
+            let rem = live - r0;
+            let r = match n {
+                16 => 1,
+                8 => rem.min(2),
+                4 => rem.min(6),
+                _ => [6, 3, 2, 1].into_iter().find(|&x| x <= rem).unwrap_or(1),
+            };
+            let src = PvSrc {
+                p: p.add(r0 * BK),
+                ldp: BK,
+                segs: [(v, nk), (std::ptr::null(), 0)],
+                vps: NR,
+                ldv,
+                ahead,
+            };
+            let (v0, op, al) = (n0 * NR, o.add(r0 * ldo + n0 * NR), alpha.add(r0));
+            match (n, r) {
+                (16, _) => pv_tile::<1, 16, T, 1>(src, v0, op, ldo, al),
+                (8, 1) => pv_tile::<1, 8, T, 1>(src, v0, op, ldo, al),
+                (8, _) => pv_tile::<2, 8, T, 1>(src, v0, op, ldo, al),
+                (4, 1) => pv_tile::<1, 4, T, 1>(src, v0, op, ldo, al),
+                (4, 2) => pv_tile::<2, 4, T, 1>(src, v0, op, ldo, al),
+                (4, 3) => pv_tile::<3, 4, T, 1>(src, v0, op, ldo, al),
+                (4, 4) => pv_tile::<4, 4, T, 1>(src, v0, op, ldo, al),
+                (4, 5) => pv_tile::<5, 4, T, 1>(src, v0, op, ldo, al),
+                (4, _) => pv_tile::<6, 4, T, 1>(src, v0, op, ldo, al),
+                (2, 1) => pv_tile::<1, 2, T, 1>(src, v0, op, ldo, al),
+                (2, 2) => pv_tile::<2, 2, T, 1>(src, v0, op, ldo, al),
+                (2, 3) => pv_tile::<3, 2, T, 1>(src, v0, op, ldo, al),
+                (2, _) => pv_tile::<6, 2, T, 1>(src, v0, op, ldo, al),
+                (_, 1) => pv_tile::<1, 1, T, 1>(src, v0, op, ldo, al),
+                (_, 2) => pv_tile::<2, 1, T, 1>(src, v0, op, ldo, al),
+                (_, 3) => pv_tile::<3, 1, T, 1>(src, v0, op, ldo, al),
+                (_, _) => pv_tile::<6, 1, T, 1>(src, v0, op, ldo, al),
+            }
+            r0 += r;
+        }
+        n0 += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `qk_dot_raw` against f64 dot products for every live row count of a decode group
+    /// (1..=24, so every score strip and its dispatch arm), at the head sizes with
+    /// register strips (64, 128, 256) and one without (80), for f32, bf16 and f16 K rows
+    /// (read in place; bf16 with Q in the split layout), over 70 keys (a tail of 6 after
+    /// 64). Padding rows must get zero scores.
+
+    #[test]
+    fn decode_scores_match_f64_for_every_strip() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("note: no AVX-512F on this machine; decode scores not exercised");
+            return;
+        }
+        let (nk, lds) = (70usize, 80usize);
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        for e in [64usize, 128, 256, 80] {
+            let kf: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
+            let kb: Vec<half::bf16> = kf.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let kh: Vec<half::f16> = kf.iter().map(|&x| half::f16::from_f32(x)).collect();
+            for live in 1..=24usize {
+                let rows = live.div_ceil(MR) * MR;
+                let q: Vec<f32> = (0..rows * e).map(|i| val(i, 11)).collect();
+                // (Every head size here is a multiple of 16, as half-precision rows need.)
+                for dt in 0..3 {
+                    // The K rows each dtype reads, widened exactly, for the reference.
+                    let kw: Vec<f64> = match dt {
+                        0 => kf.iter().map(|&x| x as f64).collect(),
+                        1 => kb.iter().map(|x| x.to_f64()).collect(),
+                        _ => kh.iter().map(|x| x.to_f64()).collect(),
+                    };
+                    let mut qk = q.clone();
+                    if dt == 1 {
+                        for row in qk.chunks_exact_mut(e) {
+                            split_pairs(row);
+                        }
+                    }
+                    let mut s = vec![f32::NAN; rows * lds];
+                    let k = match dt {
+                        0 => Data::F32(&kf),
+                        1 => Data::BF16(&kb),
+                        _ => Data::F16(&kh),
+                    };
+                    // Asking for nothing ahead, for rows ahead, and for lines ahead (past
+                    // the last key too).
+                    let ahead = [Ahead::Off, Ahead::Keys(8), Ahead::Bytes(256)][live % 3];
+                    // SAFETY: AVX-512F detected above.
+                    unsafe { qk_dot_raw(&qk, rows, live, e, k, (e, nk, ahead), &mut s, lds) };
+                    for r in 0..rows {
+                        for j in 0..nk {
+                            let got = s[r * lds + j] as f64;
+                            if r >= live {
+                                assert_eq!(
+                                    got, 0.0,
+                                    "padding row {r} key {j} (e {e}, live {live}, dtype {dt})"
+                                );
+                                continue;
+                            }
+                            let (qr, kr) = (&q[r * e..(r + 1) * e], &kw[j * e..(j + 1) * e]);
+                            let want: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b).sum();
+                            let mag: f64 = qr.iter().zip(kr).map(|(&a, &b)| (a as f64 * b).abs()).sum();
+                            assert!(
+                                (got - want).abs() <= 1e-6 * mag,
+                                "row {r} key {j} (e {e}, live {live}, dtype {dt}): {got} against {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
