@@ -1,0 +1,369 @@
+//! Random calls of the public API, most of them invalid: wrong ranks, sizes, dtypes and
+//! mask shapes, empty dimensions, strided inputs, scales and soft-caps of every sign,
+//! sinks of the wrong shape, missing and misshapen weights. Each call must return (a
+//! result or an error); none may panic. The draws come from fixed seeds, so a failure
+//! names a call that can be replayed.
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use candle_attention::{
+    scaled_dot_product_attention, AttnMask, Backend, CausalAlign, MhaArgs, MultiheadAttention,
+    MultiheadAttentionConfig, SdpaOptions,
+};
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::VarBuilder;
+
+/// Xorshift draws.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(0x9E37_79B9_7F4A_7C15 ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D))
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn pick<T: Clone>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len() as u64) as usize].clone()
+    }
+}
+
+/// A random tensor of `shape` and `dtype` (integers as 0/1).
+fn tensor(shape: &[usize], dtype: DType) -> Tensor {
+    let x = Tensor::randn(0f32, 1.0, shape, &Device::Cpu).expect("randn of any shape");
+    let x = match dtype {
+        DType::U8 | DType::U32 | DType::I64 => x.ge(0.0).and_then(|m| m.to_dtype(dtype)),
+        _ => x.to_dtype(dtype),
+    };
+    x.expect("casts between candle's dtypes")
+}
+
+/// `tensor`, sometimes as a strided view (the last two dims swapped twice, or the
+/// transpose of a contiguous transpose).
+fn maybe_strided(r: &mut Rng, shape: &[usize], dtype: DType) -> Tensor {
+    let n = shape.len();
+    if n >= 2 && r.below(4) == 0 {
+        let mut t_shape = shape.to_vec();
+        t_shape.swap(n - 2, n - 1);
+        return tensor(&t_shape, dtype)
+            .transpose(n - 2, n - 1)
+            .expect("transpose of the last two dims");
+    }
+    tensor(shape, dtype)
+}
+
+/// `dims`, each perturbed to a size that may break the shape rules one time in twelve.
+fn perturb(r: &mut Rng, dims: &[usize]) -> Vec<usize> {
+    dims.iter()
+        .map(|&d| {
+            if r.below(12) == 0 {
+                r.pick(&[0, 1, 2, 3, 5, 17, 65])
+            } else {
+                d
+            }
+        })
+        .collect()
+}
+
+/// Runs `f`, returning `Some(description)` if it panicked, and counts whether it
+/// returned a value or an error.
+fn run(desc: String, counts: &mut (usize, usize), f: impl FnOnce() -> Result<()>) -> Option<String> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => {
+            counts.0 += 1;
+            None
+        }
+        Ok(Err(_)) => {
+            counts.1 += 1;
+            None
+        }
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Some(format!("{desc}: {msg}"))
+        }
+    }
+}
+
+/// One random `scaled_dot_product_attention` call.
+fn sdpa_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
+    let dts = [
+        DType::F32,
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::U8,
+        DType::I64,
+    ];
+    let (b, hkv) = (r.pick(&[1usize, 2, 3]), r.pick(&[1usize, 2, 4]));
+    let hq = hkv * r.pick(&[1usize, 1, 2, 4]);
+    let (l, s) = (
+        r.pick(&[0usize, 1, 2, 7, 16, 33, 70]),
+        r.pick(&[0usize, 1, 3, 7, 64, 65, 130]),
+    );
+    let e = r.pick(&[1usize, 8, 16, 32, 48, 64]);
+    let ev = if r.below(4) == 0 {
+        r.pick(&[1usize, 16, 24, 64])
+    } else {
+        e
+    };
+    let rank = r.pick(&[2usize, 3, 4, 4, 4, 5]);
+    let cut = |x: [usize; 4]| -> Vec<usize> {
+        if rank <= 4 {
+            x[4 - rank..].to_vec()
+        } else {
+            [&[2][..], &x[..]].concat()
+        }
+    };
+    let (qd, kd, vd) = (
+        perturb(r, &cut([b, hq, l, e])),
+        perturb(r, &cut([b, hkv, s, e])),
+        perturb(r, &cut([b, hkv, s, ev])),
+    );
+    let dt = r.pick(&dts);
+    let dtkv = if r.below(20) == 0 { r.pick(&dts) } else { dt };
+    let mut opts = SdpaOptions::new();
+    let mut mask_desc = String::new();
+    if r.below(3) == 0 {
+        let shape = match r.below(5) {
+            0 => vec![l, s],
+            1 => vec![b, 1, 1, s],
+            2 => vec![b, hq, l, s],
+            3 => vec![s],
+            _ => perturb(r, &[b, hq, l, s]),
+        };
+        let mdt = r.pick(&[
+            DType::U8,
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::I64,
+            DType::F64,
+        ]);
+        let kind = r.below(6);
+        mask_desc = format!(" mask {kind} {shape:?} {mdt:?}");
+        let m = tensor(&shape, mdt);
+        let mask = match kind {
+            0 => AttnMask::keep(&m),
+            1 => AttnMask::ignore(&m),
+            2 => AttnMask::additive(&m),
+            3 => AttnMask::key_padding(&m),
+            4 => AttnMask::sliding_window(r.pick(&[0usize, 1, 3, 100]), CausalAlign::BottomRight),
+            _ => Ok(AttnMask::causal_with_offset(r.pick(&[-5isize, -1, 0, 3, 1000]))),
+        };
+        // A mask the constructor refuses is an error path of its own; the call runs
+        // without it.
+        if let Ok(mask) = mask {
+            opts = opts.with_mask(mask);
+        }
+    }
+    opts.is_causal = r.below(3) == 0;
+    if r.below(4) == 0 {
+        opts.scale = Some(r.pick(&[0.0, -1.0, f64::NAN, f64::INFINITY, 1e30, 0.125]));
+    }
+    opts.enable_gqa = r.below(4) != 0;
+    opts.need_weights = r.below(6) == 0;
+    opts.backend = r.pick(&[Backend::Auto, Backend::Auto, Backend::Fused, Backend::Reference]);
+    if r.below(6) == 0 {
+        opts.softcap = Some(r.pick(&[0.0, -3.0, f64::NAN, 50.0, 1e-30, 1e300]));
+    }
+    if r.below(6) == 0 {
+        let shapes = [vec![hq], vec![hkv], vec![1, hq], vec![]];
+        let shape = shapes[r.below(4) as usize].clone();
+        opts.sinks = Some(tensor(&shape, r.pick(&[DType::F32, dt])));
+    }
+    let desc = format!(
+        "q {qd:?} k {kd:?} v {vd:?} {dt:?}/{dtkv:?}{mask_desc} causal {} scale {:?} gqa {} weights {} {:?} softcap {:?} sinks {:?}",
+        opts.is_causal,
+        opts.scale,
+        opts.enable_gqa,
+        opts.need_weights,
+        opts.backend,
+        opts.softcap,
+        opts.sinks.as_ref().map(|t| t.dims().to_vec())
+    );
+    let (q, k, v) = (
+        maybe_strided(r, &qd, dt),
+        maybe_strided(r, &kd, dtkv),
+        maybe_strided(r, &vd, dtkv),
+    );
+    run(desc, counts, || {
+        let out = scaled_dot_product_attention(&q, &k, &v, &opts)?;
+        out.output.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if let Some(w) = out.weights {
+            w.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        }
+        Ok(())
+    })
+}
+
+/// One random `MultiheadAttention` layer and call.
+fn mha_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
+    let (e, h) = (r.pick(&[0usize, 4, 8, 12, 16, 32]), r.pick(&[0usize, 1, 2, 3, 4]));
+    let mut cfg = MultiheadAttentionConfig::new(e, h);
+    cfg.bias = r.below(2) == 0;
+    cfg.add_bias_kv = r.below(4) == 0;
+    cfg.add_zero_attn = r.below(4) == 0;
+    cfg.batch_first = r.below(2) == 0;
+    if r.below(4) == 0 {
+        cfg.kdim = Some(r.pick(&[0usize, 5, 8]));
+        cfg.vdim = Some(r.pick(&[0usize, 6, 8]));
+    }
+    let dt = r.pick(&[DType::F32, DType::F32, DType::F16, DType::BF16, DType::F64]);
+    let (kd, vd) = (cfg.kdim.unwrap_or(e), cfg.vdim.unwrap_or(e));
+    // The state dict, with a weight sometimes missing or one larger in every dim.
+    let mut weights: HashMap<String, Tensor> = HashMap::new();
+    let mut put = |r: &mut Rng, name: &str, shape: Vec<usize>| {
+        if r.below(40) != 0 {
+            let grow = r.below(40) == 0;
+            let shape: Vec<usize> = shape.iter().map(|d| d + usize::from(grow)).collect();
+            weights.insert(name.to_string(), tensor(&shape, dt));
+        }
+    };
+    if kd == e && vd == e {
+        put(r, "in_proj_weight", vec![3 * e, e]);
+    } else {
+        put(r, "q_proj_weight", vec![e, e]);
+        put(r, "k_proj_weight", vec![e, kd]);
+        put(r, "v_proj_weight", vec![e, vd]);
+    }
+    if cfg.bias {
+        put(r, "in_proj_bias", vec![3 * e]);
+        put(r, "out_proj.bias", vec![e]);
+    }
+    put(r, "out_proj.weight", vec![e, e]);
+    if cfg.add_bias_kv {
+        put(r, "bias_k", vec![1, 1, e]);
+        put(r, "bias_v", vec![1, 1, e]);
+    }
+    let vb = VarBuilder::from_tensors(weights, dt, &Device::Cpu);
+    let (n, l, s) = (
+        r.pick(&[0usize, 1, 2, 3]),
+        r.pick(&[0usize, 1, 5, 16]),
+        r.pick(&[0usize, 1, 5, 16]),
+    );
+    let unbatched = r.below(5) == 0;
+    let shape = |len: usize, d: usize| -> Vec<usize> {
+        match (unbatched, cfg.batch_first) {
+            (true, _) => vec![len, d],
+            (false, true) => vec![n, len, d],
+            (false, false) => vec![len, n, d],
+        }
+    };
+    let mut q_shape = shape(l, e);
+    if r.below(15) == 0 {
+        q_shape[0] += 1;
+    }
+    let in_dt = if r.below(15) == 0 {
+        r.pick(&[DType::F32, DType::F16, DType::U8])
+    } else {
+        dt
+    };
+    let self_attn = r.below(2) == 0 && kd == e && vd == e;
+    let q = tensor(&q_shape, in_dt);
+    let (k, v) = if self_attn {
+        (q.clone(), q.clone())
+    } else {
+        (tensor(&shape(s, kd), in_dt), tensor(&shape(s, vd), in_dt))
+    };
+    let sl = if self_attn { l } else { s };
+    let kpm = (r.below(3) == 0).then(|| {
+        let shape = r.pick(&[vec![n, sl], vec![sl], vec![n, sl + 1], vec![1, sl]]);
+        tensor(&shape, r.pick(&[DType::U8, DType::F32, dt, DType::I64]))
+    });
+    let am = (r.below(3) == 0).then(|| {
+        let shape = r.pick(&[
+            vec![l, sl],
+            vec![n * h.max(1), l, sl],
+            vec![l, sl + 1],
+            vec![1, l, sl],
+        ]);
+        tensor(&shape, r.pick(&[DType::U8, DType::F32, dt]))
+    });
+    let args = MhaArgs {
+        key_padding_mask: kpm.as_ref(),
+        attn_mask: am.as_ref(),
+        need_weights: r.below(3) == 0,
+        average_attn_weights: r.below(2) == 0,
+        is_causal: r.below(4) == 0,
+        backend: r.pick(&[Backend::Auto, Backend::Fused, Backend::Reference]),
+    };
+    let desc = format!(
+        "{cfg:?} {dt:?} input {in_dt:?} q {q_shape:?} n {n} l {l} s {s} unbatched {unbatched} self {self_attn} key_padding_mask {:?} attn_mask {:?} {args:?}",
+        kpm.as_ref().map(|t| (t.dims().to_vec(), t.dtype())),
+        am.as_ref().map(|t| (t.dims().to_vec(), t.dtype()))
+    );
+    run(desc, counts, || {
+        let mha = MultiheadAttention::new(&cfg, vb)?;
+        let (out, w) = mha.forward_with(&q, &k, &v, &args)?;
+        out.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if let Some(w) = w {
+            w.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        }
+        Ok(())
+    })
+}
+
+/// Random `scaled_dot_product_attention` calls never panic, and both outcomes occur.
+#[test]
+fn random_sdpa_calls_return_instead_of_panicking() {
+    let mut counts = (0, 0);
+    let mut panics = Vec::new();
+    for seed in 1..=4 {
+        let mut r = Rng::new(seed);
+        for i in 0..150 {
+            if let Some(p) = sdpa_call(&mut r, &mut counts) {
+                panics.push(format!("seed {seed} call {i}: {p}"));
+            }
+        }
+    }
+    assert!(
+        panics.is_empty(),
+        "{} panics:\n{}",
+        panics.len(),
+        panics.join("\n")
+    );
+    assert!(
+        counts.0 > 50 && counts.1 > 50,
+        "ran {} and refused {}",
+        counts.0,
+        counts.1
+    );
+}
+
+/// Random `MultiheadAttention` layers and calls never panic, and both outcomes occur.
+#[test]
+fn random_multihead_attention_calls_return_instead_of_panicking() {
+    let mut counts = (0, 0);
+    let mut panics = Vec::new();
+    for seed in 1..=4 {
+        let mut r = Rng::new(seed);
+        for i in 0..150 {
+            if let Some(p) = mha_call(&mut r, &mut counts) {
+                panics.push(format!("seed {seed} call {i}: {p}"));
+            }
+        }
+    }
+    assert!(
+        panics.is_empty(),
+        "{} panics:\n{}",
+        panics.len(),
+        panics.join("\n")
+    );
+    assert!(
+        counts.0 > 50 && counts.1 > 50,
+        "ran {} and refused {}",
+        counts.0,
+        counts.1
+    );
+}
