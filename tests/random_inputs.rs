@@ -6,9 +6,10 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, QkNorm, QkvLayout};
 use candle_attention::{
-    scaled_dot_product_attention, AttnMask, Backend, CausalAlign, MhaArgs, MultiheadAttention,
-    MultiheadAttentionConfig, SdpaOptions,
+    scaled_dot_product_attention, AttnMask, Backend, CausalAlign, KvCache, MhaArgs, MultiheadAttention,
+    MultiheadAttentionConfig, RopeConfig, RopeScaling, RopeStyle, SdpaOptions,
 };
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -314,6 +315,112 @@ fn mha_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     })
 }
 
+/// One random `DecoderAttention` layer (separate projections) and one to three calls:
+/// a prefill and decode steps through a cache (the layer's own or one of the caller's),
+/// or cross-attention.
+fn decoder_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
+    let hkv = r.pick(&[0usize, 1, 2]);
+    let h = hkv * r.pick(&[1usize, 2, 3]) + usize::from(r.below(10) == 0);
+    let hd = r.pick(&[0usize, 2, 4, 8, 16]);
+    let hidden = r.pick(&[0usize, 4, 8, 16]);
+    let rope = (r.below(2) == 0).then(|| RopeConfig {
+        head_dim: if r.below(10) == 0 { hd + 2 } else { hd },
+        rotary_dim: r.pick(&[0usize, 2, hd, hd / 2, hd + 2]),
+        theta: r.pick(&[10000.0, 0.0, -1.0, f64::NAN, 1e300]),
+        style: r.pick(&[RopeStyle::HalfSplit, RopeStyle::Interleaved]),
+        scaling: RopeScaling::Default,
+    });
+    let cfg = DecoderAttentionConfig {
+        hidden_size: hidden,
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: hd,
+        layout: QkvLayout::separate(r.below(2) == 0, r.below(2) == 0, r.below(2) == 0, r.below(2) == 0),
+        qk_norm: (r.below(4) == 0).then(|| QkNorm {
+            eps: r.pick(&[1e-6, 0.0, -1.0]),
+            unit_offset: r.below(2) == 0,
+        }),
+        rope,
+        alibi: r.below(6) == 0,
+        softcap: (r.below(6) == 0).then(|| r.pick(&[30.0, 0.0, -1.0, f64::NAN])),
+        sinks: r.below(6) == 0,
+        sliding_window: (r.below(4) == 0).then(|| r.pick(&[0usize, 1, 2, 5])),
+        bidirectional: r.below(8) == 0,
+        scale: r.pick(&[0.25, 0.0, f64::NAN]),
+        cross_attention: r.below(8) == 0,
+        max_position_embeddings: (r.below(4) == 0).then(|| r.pick(&[0usize, 4, 64])),
+    };
+    let dt = r.pick(&[DType::F32, DType::F32, DType::F16, DType::BF16, DType::F64]);
+    let mut weights: HashMap<String, Tensor> = HashMap::new();
+    let mut put = |r: &mut Rng, name: &str, shape: Vec<usize>| {
+        if r.below(40) != 0 {
+            let grow = r.below(40) == 0;
+            let shape: Vec<usize> = shape.iter().map(|d| d + usize::from(grow)).collect();
+            weights.insert(name.to_string(), tensor(&shape, dt));
+        }
+    };
+    for (name, out, inp) in [
+        ("q_proj", h * hd, hidden),
+        ("k_proj", hkv * hd, hidden),
+        ("v_proj", hkv * hd, hidden),
+        ("o_proj", hidden, h * hd),
+    ] {
+        put(r, &format!("{name}.weight"), vec![out, inp]);
+        put(r, &format!("{name}.bias"), vec![out]);
+    }
+    put(r, "q_norm.weight", vec![hd]);
+    put(r, "k_norm.weight", vec![hd]);
+    put(r, "sinks", vec![h]);
+    let vb = VarBuilder::from_tensors(weights, dt, &Device::Cpu);
+    let b = r.pick(&[0usize, 1, 2]);
+    let steps: Vec<usize> = (0..r.pick(&[1usize, 2, 3]))
+        .map(|_| r.pick(&[0usize, 1, 3, 9]))
+        .collect();
+    let width = if r.below(15) == 0 { hidden + 1 } else { hidden };
+    let in_dt = if r.below(15) == 0 {
+        r.pick(&[DType::F32, DType::U8])
+    } else {
+        dt
+    };
+    // 0: no cache; 1: the layer's own; 2, 3: a growable or rotating cache of the caller's.
+    let cache_kind = r.below(4);
+    let cache_window = r.pick(&[0usize, 1, 4]);
+    let cached = cache_kind != 0;
+    let masked = r.below(3) == 0;
+    let far = r.below(10) == 0;
+    let enc_len = r.pick(&[0usize, 1, 7]);
+    let desc = format!(
+        "{cfg:?} {dt:?} input {in_dt:?} width {width} batch {b} steps {steps:?} cache {cache_kind} (window {cache_window}) masked {masked} far positions {far} encoder length {enc_len}"
+    );
+    run(desc, counts, || {
+        let layer = DecoderAttention::new(&cfg, vb)?;
+        let mut cache = match cache_kind {
+            0 => None,
+            1 => Some(layer.new_cache()?),
+            2 => Some(KvCache::new()),
+            _ => Some(KvCache::rotating(cache_window)?),
+        };
+        let mut seen = 0usize;
+        for &l in &steps {
+            let x = tensor(&[b, l, width], in_dt);
+            let out = if cfg.cross_attention {
+                let enc = tensor(&[b, enc_len, width], in_dt);
+                layer.forward_cross(&x, Some(&enc), cache.as_mut())?
+            } else {
+                let base = if far { u32::MAX as usize - 2 } else { seen };
+                let pos: Vec<u32> = (0..b * l).map(|i| (base + i % l.max(1)) as u32).collect();
+                let pos = Tensor::from_vec(pos, (b, l), &Device::Cpu)?;
+                let t = if cached { seen + l } else { l };
+                let mask = masked.then(|| tensor(&[b, t], DType::U8));
+                layer.forward_cached(&x, &pos, mask.as_ref(), cache.as_mut())?
+            };
+            out.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            seen += l;
+        }
+        Ok(())
+    })
+}
+
 /// Random `scaled_dot_product_attention` calls never panic, and both outcomes occur.
 #[test]
 fn random_sdpa_calls_return_instead_of_panicking() {
@@ -350,6 +457,33 @@ fn random_multihead_attention_calls_return_instead_of_panicking() {
         let mut r = Rng::new(seed);
         for i in 0..150 {
             if let Some(p) = mha_call(&mut r, &mut counts) {
+                panics.push(format!("seed {seed} call {i}: {p}"));
+            }
+        }
+    }
+    assert!(
+        panics.is_empty(),
+        "{} panics:\n{}",
+        panics.len(),
+        panics.join("\n")
+    );
+    assert!(
+        counts.0 > 50 && counts.1 > 50,
+        "ran {} and refused {}",
+        counts.0,
+        counts.1
+    );
+}
+
+/// Random `DecoderAttention` layers and calls never panic, and both outcomes occur.
+#[test]
+fn random_decoder_attention_calls_return_instead_of_panicking() {
+    let mut counts = (0, 0);
+    let mut panics = Vec::new();
+    for seed in 1..=4 {
+        let mut r = Rng::new(seed);
+        for i in 0..150 {
+            if let Some(p) = decoder_call(&mut r, &mut counts) {
                 panics.push(format!("seed {seed} call {i}: {p}"));
             }
         }
