@@ -226,6 +226,8 @@ impl KvCache {
             let cd = ck.dims();
             let cv = self.v.as_ref().map(|t| t.dims().to_vec()).unwrap_or_default();
             let cvt = self.v.as_ref().map(|t| t.dtype());
+            // (`k` and `v` are set together; "none" would only show a bug.)
+            let cvt_name = cvt.map_or_else(|| "none".to_string(), |d| format!("{d:?}"));
             let same = cd[0] == b
                 && cd[1] == h
                 && cd[3] == k.dim(3)?
@@ -233,12 +235,19 @@ impl KvCache {
                 && ck.dtype() == k.dtype()
                 && cvt == Some(v.dtype());
             if !same && !self.is_empty() {
+                // The shapes of the tokens held, not of the buffer (which has spare room).
+                let held = |d: &[usize]| -> Vec<usize> {
+                    d.iter()
+                        .enumerate()
+                        .map(|(i, &x)| if i == SEQ { self.len() } else { x })
+                        .collect()
+                };
                 candle::bail!(
-                    "KV cache holds keys {:?} {:?} and values {:?} {:?} but got keys {:?} {:?} and values {:?} {:?}; reset it before changing shapes or dtypes",
-                    cd,
+                    "KV cache holds keys {:?} {:?} and values {:?} {} but got keys {:?} {:?} and values {:?} {:?}; reset it before changing shapes or dtypes",
+                    held(cd),
                     ck.dtype(),
-                    cv,
-                    cvt,
+                    held(&cv),
+                    cvt_name,
                     k.dims(),
                     k.dtype(),
                     v.dims(),

@@ -104,6 +104,12 @@ fn kv_cache_errors_name_shapes_dtypes_and_sizes() -> Result<()> {
     c.append(&k, &k.to_dtype(DType::BF16)?)?;
     let msg = err_msg(c.append(&k, &k));
     assert!(msg.contains("BF16") && msg.contains("values"), "{msg}");
+    // The shapes of the tokens held (not of the buffer, which has spare room), and the
+    // dtypes as they are.
+    assert!(
+        msg.contains("holds keys [1, 1, 2, 4] F32 and values [1, 1, 2, 4] BF16 but got"),
+        "{msg}"
+    );
     // Sizes that overflow are errors, not panics or wrapped allocations.
     for cap in [usize::MAX, 1 << 62] {
         let msg = err_msg(KvCache::with_max_len(cap).append(&k, &k));

@@ -8,7 +8,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use candle_attention::decoder::{DecoderAttention, DecoderAttentionConfig, QkNorm, QkvLayout};
 use candle_attention::{
-    scaled_dot_product_attention, AttnMask, Backend, CausalAlign, KvCache, MhaArgs, MultiheadAttention,
+    scaled_dot_product_attention, sdpa, AttnMask, Backend, CausalAlign, KvCache, MhaArgs, MultiheadAttention,
     MultiheadAttentionConfig, RopeConfig, RopeScaling, RopeStyle, SdpaOptions,
 };
 use candle_core::{DType, Device, Result, Tensor};
@@ -421,6 +421,73 @@ fn decoder_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     })
 }
 
+/// One operation's draws: key and value shapes and dtypes, and a truncation length.
+type Draw = (Vec<usize>, Vec<usize>, DType, DType, usize);
+
+/// One random `KvCache` (growable, bounded or rotating) and a random run of appends (of
+/// keys and values that sometimes disagree in rank, shape or dtype), truncations, resets
+/// and reads, each read attended to by a one-token query.
+fn cache_calls(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
+    let kind = r.below(3);
+    let size = r.pick(&[0usize, 1, 3, 8]);
+    let ops: Vec<u64> = (0..r.pick(&[1usize, 3, 6])).map(|_| r.below(10)).collect();
+    let draws: Vec<Draw> = ops
+        .iter()
+        .map(|_| {
+            let (b, h, l, d) = (
+                r.pick(&[1usize, 2]),
+                r.pick(&[1usize, 2]),
+                r.pick(&[0usize, 1, 4, 9]),
+                r.pick(&[4usize, 8]),
+            );
+            let dv = if r.below(6) == 0 { d + 4 } else { d };
+            let kd = perturb(r, &[b, h, l, d]);
+            let vd = if r.below(8) == 0 {
+                perturb(r, &[b, h, l])
+            } else {
+                perturb(r, &[b, h, l, dv])
+            };
+            let dt = r.pick(&[DType::F32, DType::F32, DType::F16, DType::BF16]);
+            let dtv = if r.below(12) == 0 { DType::F32 } else { dt };
+            (kd, vd, dt, dtv, r.pick(&[0usize, 1, 2, 5, 100]))
+        })
+        .collect();
+    let desc = format!("cache kind {kind} size {size} ops {ops:?} draws {draws:?}");
+    run(desc, counts, || {
+        let mut cache = match kind {
+            0 => KvCache::new(),
+            1 => KvCache::with_max_len(size),
+            _ => KvCache::rotating(size)?,
+        };
+        let attend = |view: &candle_attention::KvView| -> Result<()> {
+            let (b, h, _, d) = view.k.dims4()?;
+            let q = tensor(&[b, h, 1, d], view.k.dtype());
+            let opts = SdpaOptions::new().with_mask(AttnMask::causal_bottom_right());
+            sdpa(&q, &view.k, &view.v, &opts)?
+                .flatten_all()?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?;
+            Ok(())
+        };
+        for (op, (kd, vd, dt, dtv, n)) in ops.iter().zip(&draws) {
+            match op {
+                0 => cache.reset(),
+                1 => cache.truncate(*n)?,
+                2 => {
+                    if let Some(view) = cache.current()? {
+                        attend(&view)?;
+                    }
+                }
+                _ => {
+                    let view = cache.append(&tensor(kd, *dt), &tensor(vd, *dtv))?;
+                    attend(&view)?;
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
 /// Random `scaled_dot_product_attention` calls never panic, and both outcomes occur.
 #[test]
 fn random_sdpa_calls_return_instead_of_panicking() {
@@ -484,6 +551,34 @@ fn random_decoder_attention_calls_return_instead_of_panicking() {
         let mut r = Rng::new(seed);
         for i in 0..150 {
             if let Some(p) = decoder_call(&mut r, &mut counts) {
+                panics.push(format!("seed {seed} call {i}: {p}"));
+            }
+        }
+    }
+    assert!(
+        panics.is_empty(),
+        "{} panics:\n{}",
+        panics.len(),
+        panics.join("\n")
+    );
+    assert!(
+        counts.0 > 50 && counts.1 > 50,
+        "ran {} and refused {}",
+        counts.0,
+        counts.1
+    );
+}
+
+/// Random `KvCache` appends, truncations, resets and reads never panic, and both
+/// outcomes occur.
+#[test]
+fn random_kv_cache_calls_return_instead_of_panicking() {
+    let mut counts = (0, 0);
+    let mut panics = Vec::new();
+    for seed in 1..=4 {
+        let mut r = Rng::new(seed);
+        for i in 0..150 {
+            if let Some(p) = cache_calls(&mut r, &mut counts) {
                 panics.push(format!("seed {seed} call {i}: {p}"));
             }
         }
