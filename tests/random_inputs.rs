@@ -72,6 +72,16 @@ fn perturb(r: &mut Rng, dims: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// Inserts a random weight `name` of `shape`, except that one time in forty it is left
+/// out and one time in forty it is one larger in every dim.
+fn put_weight(r: &mut Rng, weights: &mut HashMap<String, Tensor>, name: &str, shape: &[usize], dtype: DType) {
+    if r.below(40) != 0 {
+        let grow = usize::from(r.below(40) == 0);
+        let shape: Vec<usize> = shape.iter().map(|d| d + grow).collect();
+        weights.insert(name.to_string(), tensor(&shape, dtype));
+    }
+}
+
 /// Runs `f`, returning `Some(description)` if it panicked, and counts whether it
 /// returned a value or an error.
 fn run(desc: String, counts: &mut (usize, usize), f: impl FnOnce() -> Result<()>) -> Option<String> {
@@ -224,13 +234,7 @@ fn mha_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     let (kd, vd) = (cfg.kdim.unwrap_or(e), cfg.vdim.unwrap_or(e));
     // The state dict, with a weight sometimes missing or one larger in every dim.
     let mut weights: HashMap<String, Tensor> = HashMap::new();
-    let mut put = |r: &mut Rng, name: &str, shape: Vec<usize>| {
-        if r.below(40) != 0 {
-            let grow = r.below(40) == 0;
-            let shape: Vec<usize> = shape.iter().map(|d| d + usize::from(grow)).collect();
-            weights.insert(name.to_string(), tensor(&shape, dt));
-        }
-    };
+    let mut put = |r: &mut Rng, name: &str, shape: Vec<usize>| put_weight(r, &mut weights, name, &shape, dt);
     if kd == e && vd == e {
         put(r, "in_proj_weight", vec![3 * e, e]);
     } else {
@@ -352,13 +356,7 @@ fn decoder_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     };
     let dt = r.pick(&[DType::F32, DType::F32, DType::F16, DType::BF16, DType::F64]);
     let mut weights: HashMap<String, Tensor> = HashMap::new();
-    let mut put = |r: &mut Rng, name: &str, shape: Vec<usize>| {
-        if r.below(40) != 0 {
-            let grow = r.below(40) == 0;
-            let shape: Vec<usize> = shape.iter().map(|d| d + usize::from(grow)).collect();
-            weights.insert(name.to_string(), tensor(&shape, dt));
-        }
-    };
+    let mut put = |r: &mut Rng, name: &str, shape: Vec<usize>| put_weight(r, &mut weights, name, &shape, dt);
     for (name, out, inp) in [
         ("q_proj", h * hd, hidden),
         ("k_proj", hkv * hd, hidden),
@@ -488,15 +486,15 @@ fn cache_calls(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     })
 }
 
-/// Random `scaled_dot_product_attention` calls never panic, and both outcomes occur.
-#[test]
-fn random_sdpa_calls_return_instead_of_panicking() {
+/// Draws 150 calls from each of four seeds with `call`, and asserts that none panicked
+/// and that more than 50 returned a value and more than 50 an error.
+fn assert_no_panics(call: fn(&mut Rng, &mut (usize, usize)) -> Option<String>) {
     let mut counts = (0, 0);
     let mut panics = Vec::new();
     for seed in 1..=4 {
         let mut r = Rng::new(seed);
         for i in 0..150 {
-            if let Some(p) = sdpa_call(&mut r, &mut counts) {
+            if let Some(p) = call(&mut r, &mut counts) {
                 panics.push(format!("seed {seed} call {i}: {p}"));
             }
         }
@@ -513,86 +511,29 @@ fn random_sdpa_calls_return_instead_of_panicking() {
         counts.0,
         counts.1
     );
+}
+
+/// Random `scaled_dot_product_attention` calls never panic, and both outcomes occur.
+#[test]
+fn random_sdpa_calls_return_instead_of_panicking() {
+    assert_no_panics(sdpa_call);
 }
 
 /// Random `MultiheadAttention` layers and calls never panic, and both outcomes occur.
 #[test]
 fn random_multihead_attention_calls_return_instead_of_panicking() {
-    let mut counts = (0, 0);
-    let mut panics = Vec::new();
-    for seed in 1..=4 {
-        let mut r = Rng::new(seed);
-        for i in 0..150 {
-            if let Some(p) = mha_call(&mut r, &mut counts) {
-                panics.push(format!("seed {seed} call {i}: {p}"));
-            }
-        }
-    }
-    assert!(
-        panics.is_empty(),
-        "{} panics:\n{}",
-        panics.len(),
-        panics.join("\n")
-    );
-    assert!(
-        counts.0 > 50 && counts.1 > 50,
-        "ran {} and refused {}",
-        counts.0,
-        counts.1
-    );
+    assert_no_panics(mha_call);
 }
 
 /// Random `DecoderAttention` layers and calls never panic, and both outcomes occur.
 #[test]
 fn random_decoder_attention_calls_return_instead_of_panicking() {
-    let mut counts = (0, 0);
-    let mut panics = Vec::new();
-    for seed in 1..=4 {
-        let mut r = Rng::new(seed);
-        for i in 0..150 {
-            if let Some(p) = decoder_call(&mut r, &mut counts) {
-                panics.push(format!("seed {seed} call {i}: {p}"));
-            }
-        }
-    }
-    assert!(
-        panics.is_empty(),
-        "{} panics:\n{}",
-        panics.len(),
-        panics.join("\n")
-    );
-    assert!(
-        counts.0 > 50 && counts.1 > 50,
-        "ran {} and refused {}",
-        counts.0,
-        counts.1
-    );
+    assert_no_panics(decoder_call);
 }
 
 /// Random `KvCache` appends, truncations, resets and reads never panic, and both
 /// outcomes occur.
 #[test]
 fn random_kv_cache_calls_return_instead_of_panicking() {
-    let mut counts = (0, 0);
-    let mut panics = Vec::new();
-    for seed in 1..=4 {
-        let mut r = Rng::new(seed);
-        for i in 0..150 {
-            if let Some(p) = cache_calls(&mut r, &mut counts) {
-                panics.push(format!("seed {seed} call {i}: {p}"));
-            }
-        }
-    }
-    assert!(
-        panics.is_empty(),
-        "{} panics:\n{}",
-        panics.len(),
-        panics.join("\n")
-    );
-    assert!(
-        counts.0 > 50 && counts.1 > 50,
-        "ran {} and refused {}",
-        counts.0,
-        counts.1
-    );
+    assert_no_panics(cache_calls);
 }
