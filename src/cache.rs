@@ -217,8 +217,12 @@ impl KvCache {
     /// Appends `k` `(B, Hkv, L, D)` and `v` `(B, Hkv, L, Dv)` and returns what attention
     /// should see: every cached token plus the new ones.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView> {
-        let (b, h, l, _) = k.dims4()?;
-        let (bv, hv, lv, _) = v.dims4()?;
+        let rank4 = |t: &Tensor, what: &str| {
+            t.dims4()
+                .map_err(|_| candle::Error::Msg(format!("KV cache: {what}, got {:?}", t.dims())))
+        };
+        let (b, h, l, _) = rank4(k, "keys must be (B, Hkv, L, D)")?;
+        let (bv, hv, lv, _) = rank4(v, "values must be (B, Hkv, L, Dv)")?;
         if (b, h, l) != (bv, hv, lv) {
             candle::bail!("KV cache: keys {:?} and values {:?} disagree", k.dims(), v.dims())
         }

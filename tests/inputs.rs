@@ -195,7 +195,8 @@ fn rotating_cache_of_no_tokens_is_refused() {
     assert!(msg.contains("window of at least 1 token"), "{msg}");
 }
 
-/// Keys and values of different lengths (or batches, or heads) in one append.
+/// Keys and values of different lengths (or batches, or heads) in one append, and keys
+/// or values that are not of rank 4.
 #[test]
 fn kv_cache_refuses_keys_and_values_that_disagree() -> Result<()> {
     let k = randn(&[1, 1, 2, 4])?;
@@ -208,6 +209,18 @@ fn kv_cache_refuses_keys_and_values_that_disagree() -> Result<()> {
         let want = format!("keys [1, 1, 2, 4] and values {:?} disagree", v.dims());
         assert!(msg.contains(&want), "{msg}");
     }
+    // Keys or values of another rank.
+    let (k3, v5) = (randn(&[1, 2, 4])?, randn(&[1, 1, 1, 2, 4])?);
+    let msg = err_msg(KvCache::new().append(&k3, &k));
+    assert!(
+        msg.contains("KV cache: keys must be (B, Hkv, L, D), got [1, 2, 4]"),
+        "{msg}"
+    );
+    let msg = err_msg(KvCache::new().append(&k, &v5));
+    assert!(
+        msg.contains("KV cache: values must be (B, Hkv, L, Dv), got [1, 1, 1, 2, 4]"),
+        "{msg}"
+    );
     Ok(())
 }
 
