@@ -242,7 +242,12 @@ impl Proj {
 
     /// Checks `x (…, in)` and the bias against the weight; returns `(rows, in)`.
     fn check_input(&self, x: &Tensor) -> Result<(usize, usize)> {
-        let (out_dim, in_dim) = self.weight.dims2()?;
+        let (out_dim, in_dim) = self.weight.dims2().map_err(|_| {
+            candle::Error::Msg(format!(
+                "projection weight must be (out, in), got {:?}",
+                self.weight.dims()
+            ))
+        })?;
         let dims = x.dims();
         if dims.last() != Some(&in_dim) {
             candle::bail!(

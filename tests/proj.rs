@@ -99,8 +99,9 @@ fn trainable_weights_get_gradients() -> Result<()> {
     Ok(())
 }
 
-/// Inputs and biases whose shapes do not fit the weight are errors that name the shapes,
-/// on the CPU kernel's path (20 rows) and on candle's (3 rows) alike.
+/// Inputs and biases whose shapes do not fit the weight, and weights that are not
+/// `(out, in)`, are errors that name the shapes, on the CPU kernel's path (20 rows) and on
+/// candle's (3 rows) alike.
 #[test]
 fn bad_shapes_are_errors_that_name_them() -> Result<()> {
     let dev = Device::Cpu;
@@ -116,6 +117,13 @@ fn bad_shapes_are_errors_that_name_them() -> Result<()> {
         let p = Proj::new(w.clone(), Some(Tensor::zeros(47, DType::F32, &dev)?));
         let msg = err(p.forward(&Tensor::zeros((rows, 64), DType::F32, &dev)?));
         assert!(msg.contains("[47]") && msg.contains("[48, 64]"), "{msg}");
+        // A weight that is not (out, in).
+        for shape in [&[48][..], &[2, 48, 64][..]] {
+            let p = Proj::new(Tensor::zeros(shape, DType::F32, &dev)?, None);
+            let msg = err(p.forward(&Tensor::zeros((rows, 64), DType::F32, &dev)?));
+            let want = format!("projection weight must be (out, in), got {shape:?}");
+            assert!(msg.contains(&want), "{msg}");
+        }
     }
     Ok(())
 }

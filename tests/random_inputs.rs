@@ -486,6 +486,132 @@ fn cache_calls(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     })
 }
 
+/// One random call of a building block: a `Proj` on weights and inputs of random ranks
+/// and sizes, a `RotaryEmbedding` (its tables for random positions, then applied to a
+/// random tensor), or one of the notes' three modules on random weights and inputs.
+fn block_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
+    let dt = r.pick(&[DType::F32, DType::F32, DType::F16, DType::BF16, DType::F64]);
+    let other = if r.below(10) == 0 {
+        r.pick(&[DType::F32, DType::U8, DType::I64])
+    } else {
+        dt
+    };
+    match r.below(3) {
+        0 => {
+            let (o, i) = (r.pick(&[0usize, 1, 3, 16]), r.pick(&[0usize, 1, 5, 16]));
+            let w = perturb(r, &[o, i]);
+            let w = if r.below(10) == 0 { vec![o] } else { w };
+            let b = (r.below(2) == 0).then(|| perturb(r, &[o]));
+            let (n, l) = (r.pick(&[0usize, 1, 2]), r.pick(&[0usize, 1, 15]));
+            let x = perturb(r, &[n, l, i]);
+            let x = if r.below(8) == 0 { x[1..].to_vec() } else { x };
+            let desc = format!("proj w {w:?} b {b:?} x {x:?} {dt:?}/{other:?}");
+            let (w, b, x) = (
+                tensor(&w, dt),
+                b.map(|b| tensor(&b, dt)),
+                maybe_strided(r, &x, other),
+            );
+            run(desc, counts, || {
+                candle_attention::Proj::new(w, b)
+                    .forward(&x)?
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?;
+                Ok(())
+            })
+        }
+        1 => {
+            let hd = r.pick(&[0usize, 2, 8, 16]);
+            let cfg = RopeConfig {
+                head_dim: hd,
+                rotary_dim: r.pick(&[0usize, 2, hd, hd / 2, hd + 2]),
+                theta: r.pick(&[10000.0, 1.0, 0.5, f64::INFINITY, 1e300]),
+                style: r.pick(&[RopeStyle::HalfSplit, RopeStyle::Interleaved]),
+                scaling: match r.below(3) {
+                    0 => RopeScaling::Default,
+                    1 => RopeScaling::Linear {
+                        factor: r.pick(&[2.0, 0.0, -1.0, f64::NAN]),
+                    },
+                    _ => RopeScaling::DynamicNtk {
+                        factor: r.pick(&[2.0, 0.5, 0.0, f64::INFINITY]),
+                        max_position_embeddings: r.pick(&[0.0, 4.0, 1e30]),
+                    },
+                },
+            };
+            let (b, l) = (r.pick(&[0usize, 1, 2]), r.pick(&[0usize, 1, 7]));
+            let pos_shape = perturb(r, &[b, l]);
+            let pos_dt = r.pick(&[DType::U32, DType::I64, DType::F32]);
+            let far = r.below(6) == 0;
+            let heads = r.pick(&[1usize, 2]);
+            let x = perturb(r, &[b, heads, l, hd]);
+            let desc = format!("rope {cfg:?} positions {pos_shape:?} {pos_dt:?} far {far} x {x:?} {dt:?}");
+            let n: usize = pos_shape.iter().product();
+            let pos: Vec<i64> = (0..n)
+                .map(|i| if far { i64::MAX - i as i64 } else { i as i64 })
+                .collect();
+            let x = tensor(&x, dt);
+            run(desc, counts, || {
+                let rope = candle_attention::RotaryEmbedding::new(&cfg)?;
+                let pos = Tensor::from_vec(pos, pos_shape.as_slice(), &Device::Cpu)?.to_dtype(pos_dt)?;
+                let (cos, sin) = rope.cos_sin(&pos, dt)?;
+                rope.apply(&x, &cos, &sin)?
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?;
+                Ok(())
+            })
+        }
+        _ => {
+            let (d, h) = (r.pick(&[0usize, 4, 8, 12]), r.pick(&[0usize, 1, 2, 3]));
+            let mut cfg = candle_attention::AttentionConfig::new(d, h);
+            cfg.out_proj = r.below(2) == 0;
+            let kind = r.below(3);
+            let mut weights: HashMap<String, Tensor> = HashMap::new();
+            for name in ["wq", "wk", "wv", "wo"] {
+                put_weight(r, &mut weights, &format!("{name}.weight"), &[d, d], dt);
+                put_weight(r, &mut weights, &format!("{name}.bias"), &[d], dt);
+            }
+            let vb = VarBuilder::from_tensors(weights, dt, &Device::Cpu);
+            let (b, l, s) = (
+                r.pick(&[0usize, 1, 2]),
+                r.pick(&[0usize, 1, 6]),
+                r.pick(&[0usize, 1, 6]),
+            );
+            let (qd, kd) = (perturb(r, &[b, l, d]), perturb(r, &[b, s, d]));
+            let mask = (r.below(3) == 0).then(|| perturb(r, &[b, 1, l, s]));
+            let desc =
+                format!("notes module {kind} {cfg:?} q {qd:?} k/v {kd:?} mask {mask:?} {dt:?}/{other:?}");
+            let (q, k) = (tensor(&qd, other), tensor(&kd, other));
+            let mask = mask.map(|m| tensor(&m, DType::U8));
+            run(desc, counts, || {
+                let mask = mask.as_ref().map(AttnMask::keep).transpose()?;
+                let out = match kind {
+                    0 => candle_attention::ScaledDotProductAttention::new(d).forward_masked(
+                        &q,
+                        &k,
+                        &k,
+                        mask.as_ref(),
+                    )?,
+                    1 => candle_attention::MultiHeadAttention::new(&cfg, vb)?.forward_masked(
+                        &q,
+                        &k,
+                        &k,
+                        mask.as_ref(),
+                    )?,
+                    _ => candle_attention::CausalAttention::new(&cfg, vb)?.forward_masked(
+                        &q,
+                        &k,
+                        &k,
+                        mask.as_ref(),
+                    )?,
+                };
+                out.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                Ok(())
+            })
+        }
+    }
+}
+
 /// Draws 150 calls from each of four seeds with `call`, and asserts that none panicked
 /// and that more than 50 returned a value and more than 50 an error.
 fn assert_no_panics(call: fn(&mut Rng, &mut (usize, usize)) -> Option<String>) {
@@ -536,4 +662,11 @@ fn random_decoder_attention_calls_return_instead_of_panicking() {
 #[test]
 fn random_kv_cache_calls_return_instead_of_panicking() {
     assert_no_panics(cache_calls);
+}
+
+/// Random calls of `Proj`, `RotaryEmbedding` and the notes' modules never panic, and both
+/// outcomes occur.
+#[test]
+fn random_building_block_calls_return_instead_of_panicking() {
+    assert_no_panics(block_call);
 }
