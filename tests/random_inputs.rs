@@ -612,6 +612,213 @@ fn block_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     }
 }
 
+/// A random JSON value for a config key of kind `kind` (0: a size or count, 1: a float,
+/// 2: a flag): mostly of the key's type (0 and huge sizes, floats of every sign
+/// included), one time in eight of another type or `null`.
+fn json_value(r: &mut Rng, kind: u8) -> serde_json::Value {
+    use serde_json::Value;
+    if r.below(8) == 0 {
+        return r.pick(&[
+            Value::Null,
+            Value::from("8"),
+            Value::from(-1),
+            Value::from(0.5),
+            Value::from(1),
+        ]);
+    }
+    match kind {
+        0 => Value::from(r.pick(&[
+            0u64,
+            1,
+            2,
+            3,
+            4,
+            8,
+            16,
+            32,
+            64,
+            128,
+            1 << 40,
+            u32::MAX as u64,
+            u64::MAX,
+        ])),
+        1 => Value::from(r.pick(&[0.0f64, 0.5, 1.0, 2.0, 10000.0, 1e-6, -2.0, 1e308, -1e308])),
+        _ => Value::from(r.below(2) == 0),
+    }
+}
+
+/// One random `config.json` (a random subset of the keys `HfConfig` reads, with
+/// random values, and a random `rope_scaling`), read by `HfConfig::from_json` and turned
+/// into a layer's configuration by `DecoderAttentionConfig::from_hf` for a random
+/// architecture and layer; when that succeeds with small sizes, the layer is built on
+/// random weights and run for two tokens.
+fn hf_config_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
+    use candle_attention::decoder::{HfConfig, ARCHITECTURES};
+    use serde_json::{Map, Value};
+    const SIZES: [&str; 14] = [
+        "hidden_size",
+        "n_embd",
+        "d_model",
+        "num_attention_heads",
+        "n_head",
+        "decoder_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_window_layers",
+        "sliding_window_pattern",
+        "max_position_embeddings",
+        "n_positions",
+        "original_max_position_embeddings",
+        "sliding_window",
+    ];
+    const FLOATS: [&str; 9] = [
+        "partial_rotary_factor",
+        "rotary_pct",
+        "rope_theta",
+        "rotary_emb_base",
+        "rope_local_base_freq",
+        "rms_norm_eps",
+        "attn_logit_softcapping",
+        "query_pre_attn_scalar",
+        "attention_multiplier",
+    ];
+    const FLAGS: [&str; 8] = [
+        "use_sliding_window",
+        "attention_bias",
+        "scale_attn_weights",
+        "scale_attn_by_inverse_layer_idx",
+        "rotary_emb_interleaved",
+        "qkv_bias",
+        "use_bias",
+        "use_bidirectional_attention",
+    ];
+    let mut cfg = Map::new();
+    // Mostly a small, consistent model that the other keys then perturb.
+    let heads = r.pick(&[1u64, 2, 4]);
+    cfg.insert("hidden_size".into(), Value::from(8 * heads));
+    cfg.insert("num_attention_heads".into(), Value::from(heads));
+    cfg.insert("num_key_value_heads".into(), Value::from(r.pick(&[1u64, heads])));
+    for key in SIZES.iter().chain(&FLOATS).chain(&FLAGS) {
+        if r.below(10) == 0 {
+            let kind = if FLAGS.contains(key) {
+                2
+            } else {
+                u8::from(FLOATS.contains(key))
+            };
+            let v = json_value(r, kind);
+            cfg.insert((*key).into(), v);
+        }
+    }
+    if r.below(4) == 0 {
+        let types = [
+            "default", "linear", "dynamic", "llama3", "yarn", "longrope", "su", "ntk",
+        ];
+        let mut rs = Map::new();
+        rs.insert(r.pick(&["rope_type", "type"]).into(), Value::from(r.pick(&types)));
+        let fields = [
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "attention_factor",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        ];
+        for f in fields {
+            if r.below(2) == 0 {
+                let kind = u8::from(!f.starts_with("original") && f != "truncate");
+                rs.insert(f.into(), json_value(r, if f == "truncate" { 2 } else { kind }));
+            }
+        }
+        if r.below(3) == 0 {
+            let n = r.pick(&[0usize, 1, 2, 4, 8]);
+            for f in ["short_factor", "long_factor"] {
+                rs.insert(f.into(), Value::from(vec![r.pick(&[1.0f64, 0.0, -1.0]); n]));
+            }
+        }
+        cfg.insert(
+            r.pick(&["rope_scaling", "rope_parameters"]).into(),
+            Value::Object(rs),
+        );
+    }
+    if r.below(8) == 0 {
+        let n = r.pick(&[0usize, 1, 3]);
+        let kinds = ["full_attention", "sliding_attention", "linear_attention"];
+        let lt: Vec<Value> = (0..n).map(|_| Value::from(r.pick(&kinds))).collect();
+        cfg.insert("layer_types".into(), Value::from(lt));
+    }
+    let text = Value::Object(cfg).to_string();
+    let arch = if r.below(20) == 0 {
+        "bert"
+    } else {
+        r.pick(ARCHITECTURES)
+    };
+    let layer = r.pick(&[0usize, 1, 5, usize::MAX]);
+    let cross = r.below(10) == 0;
+    let build = r.below(2) == 0;
+    let desc = format!("{arch} layer {layer} cross {cross} build {build}: {text}");
+    let mut rr = Rng::new(r.next());
+    run(desc, counts, move || {
+        let hf = HfConfig::from_json(&text)?;
+        let dc = DecoderAttentionConfig::from_hf(arch, &hf, layer, cross)?;
+        if let Some(rope) = &dc.rope {
+            candle_attention::RotaryEmbedding::new(rope)?;
+        }
+        let widths = [
+            dc.hidden_size,
+            dc.num_heads.saturating_mul(dc.head_dim),
+            dc.num_kv_heads.saturating_mul(dc.head_dim),
+        ];
+        if !build || widths.iter().any(|&w| w > 256) {
+            return Ok(());
+        }
+        // Random weights under the layout's names, one larger in every dim now and then,
+        // from the names `DecoderAttention::new` asks for.
+        let mut weights: HashMap<String, Tensor> = HashMap::new();
+        for _ in 0..30 {
+            let vb = VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu);
+            match DecoderAttention::new(&dc, vb) {
+                Ok(layer) => {
+                    let x = tensor(&[1, 2, dc.hidden_size], DType::F32);
+                    let pos = Tensor::new(&[[0u32, 1]], &Device::Cpu)?;
+                    if dc.cross_attention {
+                        layer.forward_cross(&x, Some(&x), None)?;
+                    } else {
+                        layer.forward_cached(&x, &pos, None, None)?;
+                    }
+                    return Ok(());
+                }
+                Err(e) => {
+                    // "cannot find tensor NAME" or "shape mismatch for NAME, expected: [..]".
+                    // (The first line: candle appends a backtrace when one is asked for.)
+                    let msg = e.to_string().lines().next().unwrap_or_default().to_string();
+                    let missing = msg
+                        .strip_prefix("cannot find tensor ")
+                        .map(|n| (n.to_string(), None));
+                    let misshapen = msg.strip_prefix("shape mismatch for ").and_then(|m| {
+                        let (name, rest) = m.split_once(", expected: ")?;
+                        let dims = rest.split(", got").next()?.trim_matches(|c| c == '[' || c == ']');
+                        let dims: Vec<usize> = dims.split(", ").filter_map(|d| d.parse().ok()).collect();
+                        Some((name.to_string(), Some(dims)))
+                    });
+                    match missing.or(misshapen) {
+                        Some((name, dims)) if !weights.contains_key(&name) || dims.is_some() => {
+                            let dims = dims.unwrap_or_else(|| vec![dc.hidden_size.max(1)]);
+                            put_weight(&mut rr, &mut weights, &name, &dims, DType::F32);
+                            weights.entry(name).or_insert_with(|| tensor(&dims, DType::F32));
+                        }
+                        _ => return Err(e),
+                    }
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
 /// Draws 150 calls from each of four seeds with `call`, and asserts that none panicked
 /// and that more than 50 returned a value and more than 50 an error.
 fn assert_no_panics(call: fn(&mut Rng, &mut (usize, usize)) -> Option<String>) {
@@ -669,4 +876,11 @@ fn random_kv_cache_calls_return_instead_of_panicking() {
 #[test]
 fn random_building_block_calls_return_instead_of_panicking() {
     assert_no_panics(block_call);
+}
+
+/// Random `config.json` files, read and turned into layers (built and run where small),
+/// never panic, and both outcomes occur.
+#[test]
+fn random_hf_configs_return_instead_of_panicking() {
+    assert_no_panics(hf_config_call);
 }
