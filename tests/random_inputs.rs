@@ -1,8 +1,9 @@
 //! Random calls of the public API, most of them invalid: wrong ranks, sizes, dtypes and
 //! mask shapes, empty dimensions, strided inputs, scales and soft-caps of every sign,
-//! sinks of the wrong shape, missing and misshapen weights. Each call must return (a
-//! result or an error); none may panic. The draws come from fixed seeds, so a failure
-//! names a call that can be replayed.
+//! sinks of the wrong shape, missing and misshapen weights, corrupt `config.json` files.
+//! Each call must return (a result or an error); none may panic. Shapes, dtypes and
+//! options come from fixed seeds (the tensors' values do not), so a failure names a call
+//! that can be replayed.
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -45,8 +46,8 @@ fn tensor(shape: &[usize], dtype: DType) -> Tensor {
     x.expect("casts between candle's dtypes")
 }
 
-/// `tensor`, sometimes as a strided view (the last two dims swapped twice, or the
-/// transpose of a contiguous transpose).
+/// `tensor`, one time in four as a strided view: the transpose of a contiguous tensor
+/// whose last two dims are swapped.
 fn maybe_strided(r: &mut Rng, shape: &[usize], dtype: DType) -> Tensor {
     let n = shape.len();
     if n >= 2 && r.below(4) == 0 {

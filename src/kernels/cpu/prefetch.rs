@@ -100,10 +100,10 @@ pub(crate) fn avx512_gemm_ahead() -> usize {
 
 /// Whether the AVX-512 projection product's whole 14-row strips ask for the weight
 /// panels' lines `avx512::linear::GEMM_LOOP_AHEAD` steps ahead of reading them: where
-/// [`decode_rows`] (the same switch). The panels of a 768-step
-/// contraction chunk (96 KiB) come from L2; on the Intel VM, products with 4096 inputs
-/// took 10–15% less time with it and whole `MultiheadAttention` layers 3–10% less, while
-/// products with 768 inputs moved by −7% to +8% (kernel notes).
+/// [`decode_rows`] (the same switch). The panels of a 768-step contraction chunk
+/// (96 KiB) come from L2; on the Intel VM, products with 4096 inputs took 10–15% less
+/// time with it and whole `MultiheadAttention` layers 3–10% less, while products with
+/// 768 inputs moved by −7% to +8% (kernel notes).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx512_gemm_strips() -> bool {
     decode_rows()
