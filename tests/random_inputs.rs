@@ -823,6 +823,143 @@ fn hf_config_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     })
 }
 
+/// One bundled PyTorch fixture, damaged one to three times (a `config` or `call` entry
+/// removed or given a random value, `kind`, `dtype` or `format` replaced, a tensor
+/// dropped, reshaped or cast), written back to bytes and run by the fixture runner in a
+/// random dtype and backend.
+fn fixture_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
+    use candle_attention::fixture::{fixture_paths, Fixture, RunOptions};
+    use serde_json::Value;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("weights");
+    let mut paths = fixture_paths(&[dir]).expect("the bundled fixtures are listed");
+    paths.sort();
+    let path = r.pick(&paths);
+    let fx = Fixture::load(&path, &Device::Cpu).expect("a bundled fixture loads");
+    let mut meta = fx.metadata.clone();
+    let mut tensors: Vec<(String, Tensor)> = {
+        let mut names = fx.tensor_names();
+        names.sort();
+        names
+            .iter()
+            .map(|n| (n.to_string(), fx.tensor(n).expect("listed").clone()))
+            .collect()
+    };
+    let mut damage = Vec::new();
+    for _ in 0..r.pick(&[1usize, 1, 2, 3]) {
+        match r.below(6) {
+            op @ (0 | 1) => {
+                let entry = if op == 0 { "config" } else { "call" };
+                let mut obj: serde_json::Map<String, Value> =
+                    serde_json::from_str(meta.get(entry).map_or("{}", |s| s.as_str())).unwrap_or_default();
+                let mut keys: Vec<String> = obj.keys().cloned().collect();
+                keys.sort();
+                if keys.is_empty() {
+                    continue;
+                }
+                let key = r.pick(&keys);
+                if r.below(3) == 0 {
+                    obj.remove(&key);
+                    damage.push(format!("{entry}.{key} removed"));
+                } else {
+                    let kind = r.below(3) as u8;
+                    let v = json_value(r, kind);
+                    damage.push(format!("{entry}.{key} = {v}"));
+                    obj.insert(key, v);
+                }
+                meta.insert(entry.to_string(), Value::Object(obj).to_string());
+            }
+            2 => {
+                let (key, values) = r.pick(&[
+                    (
+                        "kind",
+                        &[
+                            "sdpa",
+                            "multihead_attention",
+                            "hf_attention",
+                            "notes_causal",
+                            "bogus",
+                        ][..],
+                    ),
+                    (
+                        "dtype",
+                        &["float32", "bfloat16", "float16", "float64", "int8", ""][..],
+                    ),
+                    ("format", &["candle-attention-fixture/0", ""][..]),
+                ]);
+                let v = r.pick(values);
+                damage.push(format!("{key} = {v:?}"));
+                meta.insert(key.to_string(), v.to_string());
+            }
+            op => {
+                if tensors.is_empty() {
+                    continue;
+                }
+                let at = r.below(tensors.len() as u64) as usize;
+                let (name, t) = tensors[at].clone();
+                match op {
+                    3 => {
+                        tensors.remove(at);
+                        damage.push(format!("{name} dropped"));
+                    }
+                    4 => {
+                        let mut dims = t.dims().to_vec();
+                        if dims.is_empty() || r.below(4) == 0 {
+                            dims.push(1);
+                        } else {
+                            let d = r.below(dims.len() as u64) as usize;
+                            dims[d] = if r.below(2) == 0 {
+                                dims[d] + 1
+                            } else {
+                                dims[d].saturating_sub(1)
+                            };
+                        }
+                        damage.push(format!("{name} {:?} -> {dims:?}", t.dims()));
+                        tensors[at].1 = tensor(&dims, t.dtype());
+                    }
+                    _ => {
+                        let dt = r.pick(&[
+                            DType::F32,
+                            DType::F16,
+                            DType::BF16,
+                            DType::F64,
+                            DType::U8,
+                            DType::I64,
+                        ]);
+                        damage.push(format!("{name} {:?} -> {dt:?}", t.dtype()));
+                        tensors[at].1 = tensor(t.dims(), dt);
+                    }
+                }
+            }
+        }
+    }
+    let opts = RunOptions {
+        device: Device::Cpu,
+        dtype: r.pick(&[
+            None,
+            None,
+            Some(DType::F32),
+            Some(DType::BF16),
+            Some(DType::F16),
+            Some(DType::U8),
+        ]),
+        backend: r.pick(&[Backend::Auto, Backend::Fused, Backend::Reference]),
+    };
+    let name = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let desc = format!(
+        "{name} damaged: {damage:?}, run {:?} {:?}",
+        opts.dtype, opts.backend
+    );
+    let bytes = safetensors::serialize(tensors.iter().map(|(k, v)| (k.clone(), v)), Some(meta))
+        .expect("tensors of candle's dtypes serialise");
+    run(desc, counts, move || {
+        Fixture::from_bytes(&name, &bytes, &Device::Cpu)?.run(&opts)?;
+        Ok(())
+    })
+}
+
 /// Draws 150 calls from each of four seeds with `call`, and asserts that none panicked
 /// and that more than 50 returned a value and more than 50 an error.
 fn assert_no_panics(call: fn(&mut Rng, &mut (usize, usize)) -> Option<String>) {
@@ -887,4 +1024,11 @@ fn random_building_block_calls_return_instead_of_panicking() {
 #[test]
 fn random_hf_configs_return_instead_of_panicking() {
     assert_no_panics(hf_config_call);
+}
+
+/// Damaged PyTorch fixtures, read and run by the fixture runner, never panic, and both
+/// outcomes occur.
+#[test]
+fn damaged_fixtures_return_instead_of_panicking() {
+    assert_no_panics(fixture_call);
 }
