@@ -218,3 +218,63 @@ fn a_softcap_beyond_f32_is_an_error_in_f32_only() -> Result<()> {
     assert!(max_diff(&capped, &plain)? < 1e-12);
     Ok(())
 }
+
+/// Scores of 1e10 and more in the log2 domain (scales of 1e10 and 1e30 on small
+/// integer q and k, whose dot products every path computes exactly): the fused kernel
+/// gives the reference path's one-hot softmax in bf16, f16 and f32, with nothing NaN.
+/// The dot products take both signs, so a row's first key blocks can hold a negative
+/// maximum that a later block overtakes by more than the maximum itself. On AVX512-BF16
+/// and AMX, bf16 rows use the pairs products, whose softmax took the rounded score's own
+/// rounding error as a distance (up to `2^4096`) and redid a row against a rounded
+/// reference; both gave NaN or wrong outputs here (`avx512::softmax`).
+#[test]
+fn huge_scores_give_the_reference_one_hot_softmax() -> Result<()> {
+    let dev = Device::Cpu;
+    // Small integers from a fixed formula: exact in bf16 and f16, exact dot products.
+    let ints = |n: usize, salt: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7 + salt * 13 + i / 5) % 7) as f32 - 3.0)
+            .collect()
+    };
+    for (l, s, d) in [(33usize, 7usize, 48usize), (144, 100, 64), (200, 300, 128)] {
+        let q = Tensor::from_vec(ints(2 * l * d, 1), (1, 2, l, d), &dev)?;
+        let k = Tensor::from_vec(ints(s * d, 2), (1, 1, s, d), &dev)?;
+        let v = Tensor::from_vec(ints(s * d, 3), (1, 1, s, d), &dev)?;
+        for dt in [DType::BF16, DType::F16, DType::F32] {
+            let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+            for scale in [1e10, 1e30] {
+                let run = |backend| {
+                    let opts = SdpaOptions::new()
+                        .with_scale(scale)
+                        .with_gqa(true)
+                        .with_backend(backend);
+                    scaled_dot_product_attention(&q, &k, &v, &opts)?
+                        .output
+                        .to_dtype(DType::F32)
+                };
+                let (fused, reference) = (run(Backend::Fused)?, run(Backend::Reference)?);
+                let what = format!("{dt:?} l {l} s {s} d {d} scale {scale:e}");
+                let nan = fused
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .filter(|x| !x.is_finite())
+                    .count();
+                assert_eq!(nan, 0, "{what}: {nan} outputs not finite");
+                // The fixtures' bf16 tolerance, relative to max(1, max|reference|).
+                let top = reference
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?
+                    .max(1.0);
+                let diff = max_diff(&fused, &reference)?;
+                assert!(
+                    diff <= 2e-2 * top as f64,
+                    "{what}: fused and reference differ by {diff}"
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -347,30 +347,34 @@ unsafe fn lazy_pass<const HI_ONLY: bool>(
     if _mm512_cmp_ps_mask::<_CMP_LE_OQ>(sum, _mm512_set1_ps(LAZY_SUM_BOUND)) == 0xffff {
         return (m, sum, false);
     }
-    let t_max = visible_max(x, (a, z), c, m);
+    let y_max = visible_max(x, (a, z), c);
+    let t_max = _mm512_sub_ps(y_max, _mm512_set1_ps(m));
     if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(t_max, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
         return (m, sum, false);
     }
-    // The block's maximum ran ahead: redo the row against it.
-    let m_new = m + _mm512_reduce_max_ps(t_max);
+    // The block's maximum ran ahead: redo the row against it. The reference is that
+    // maximum itself, not `m` plus its distance (which rounds when the two differ by
+    // more than a factor of 2), so the largest key gets exactly `2^0`.
+    let m_new = _mm512_reduce_max_ps(y_max);
     let sum = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
     (m_new, sum, true)
 }
 
-/// The lane-wise maximum over the visible keys `[a, z)` of `c·x − m` (-inf in lanes
-/// with no visible key). NaN scores count as invisible, as in `exp2_512_short`.
+/// The lane-wise maximum over the visible keys `[a, z)` of the scores `c·x`, rounded as
+/// [`exp_pass`] rounds them (-inf in lanes with no visible key). NaN scores count as
+/// invisible, as in `exp2_512_short`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq")]
-unsafe fn visible_max(x: &[f32], (a, z): (usize, usize), c: f32, m: f32) -> __m512 {
+unsafe fn visible_max(x: &[f32], (a, z): (usize, usize), c: f32) -> __m512 {
     let xp = x.as_ptr();
-    let (cv, mv) = (_mm512_set1_ps(c), _mm512_set1_ps(m));
-    let mut tm = _mm512_set1_ps(f32::NEG_INFINITY);
+    let cv = _mm512_set1_ps(c);
+    let mut ym = _mm512_set1_ps(f32::NEG_INFINITY);
     for i in (0..x.len()).step_by(16) {
-        let t = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
-        // `max(t, tm)` returns `tm` where `t` is NaN.
-        tm = _mm512_mask_max_ps(tm, chunk_mask(i, (a, z)), t, tm);
+        let y = _mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), cv);
+        // `max(y, ym)` returns `ym` where `y` is NaN.
+        ym = _mm512_mask_max_ps(ym, chunk_mask(i, (a, z)), y, ym);
     }
-    tm
+    ym
 }
 
 /// `p = 2^(c·x − m)` on the visible keys `[a, z)` (0 elsewhere) stored as bf16 components
@@ -423,8 +427,8 @@ unsafe fn exp_steps<const HI_ONLY: bool>(
     let xp = x.as_ptr();
     let mut i = i0;
     while i < i1 {
-        let t0 = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
-        let t1 = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i + 16)), cv, mv);
+        let t0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), cv), mv);
+        let t1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(xp.add(i + 16)), cv), mv);
         let e0 = exp2_512_short::<HI_ONLY>(t0, 0xffff);
         let e1 = exp2_512_short::<HI_ONLY>(t1, 0xffff);
         s0 = _mm512_add_ps(s0, e0);
@@ -458,7 +462,7 @@ unsafe fn exp_masked<const HI_ONLY: bool>(
     let xp = x.as_ptr();
     let mut i = i0;
     while i < i1 {
-        let t = _mm512_fmsub_ps(_mm512_loadu_ps(xp.add(i)), cv, mv);
+        let t = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), cv), mv);
         let e = exp2_512_short::<HI_ONLY>(t, chunk_mask(i, (a, z)));
         if (i / 16) % 2 == 0 {
             s0 = _mm512_add_ps(s0, e);
@@ -575,7 +579,9 @@ mod tests {
                                     m >= m_old as f64 && m >= vmax - 8.0 - 1e-4,
                                     "{what}: m_new {m} max {vmax}"
                                 );
-                                let want = (m_old as f64 - m).exp2();
+                                // `alpha = 2^(m_old − m_new)` of the difference in f32,
+                                // as the kernel takes it.
+                                let want = ((m_old - m_new) as f64).exp2();
                                 assert!(
                                     (alpha as f64 - want).abs() <= 1e-6 * want.max(1e-30),
                                     "{what}: alpha {alpha} want {want}"
@@ -609,6 +615,78 @@ mod tests {
                             assert!((l - want).abs() <= 2e-4 * want, "{what}: l {l} want {want}");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Scores so large that an f32 ulp of them is thousands (`c·x` up to about 1e11): the
+    /// key at the reference gets exactly `p = 1`, every other key 0, and nothing is
+    /// infinite or NaN, for a row's first block (the spike in the first 16 keys or after
+    /// them) and for later blocks whose maximum runs past smaller references, negative ones included
+    /// (where the distance to the maximum can exceed the maximum itself).
+    /// Before the reference became the rounded maximum itself, `2^(c·x − m)` of the
+    /// largest key could reach `2^4096` (the exact product minus its own rounding), and a
+    /// redo from such a reference added the distance in rounded form; both gave NaN
+    /// outputs in bf16 attention with scales of 1e10 and more.
+    #[test]
+    fn softmax_row_bf16_keeps_huge_scores_finite() {
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512bf16"))
+        {
+            eprintln!("note: no AVX-512F/DQ/BF16 on this machine; softmax_row_bf16 not exercised");
+            return;
+        }
+        let c = 1.442_695e10f32;
+        for spike in [3usize, 40] {
+            for m_old in [f32::NEG_INFINITY, 1e9, 2.5e10, -1e11, -3.3e10, -1.234e11, -7.7e9] {
+                for two in [false, true] {
+                    // Distinct scores 1e9 apart in the log2 domain, the largest at `spike`.
+                    let mut x: Vec<f32> = (0..64).map(|i| ((i * 37) % 64) as f32 * 0.1 - 3.3).collect();
+                    x[spike] = 6.93;
+                    let (mut hi, mut lo) = (vec![0u16; 64], vec![0u16; 64]);
+                    let mut l16 = [0.25f32; 16];
+                    let lo_p = if two {
+                        lo.as_mut_ptr()
+                    } else {
+                        std::ptr::null_mut()
+                    };
+                    // SAFETY: features checked above; `hi` and `lo` hold 64 elements.
+                    let (m_new, alpha) =
+                        unsafe { softmax_row_bf16(&x, (0, 64), c, m_old, (hi.as_mut_ptr(), lo_p), &mut l16) };
+                    let what = format!("spike {spike} m_old {m_old} two {two}");
+                    let y_max = x.iter().map(|&v| v * c).fold(f32::NEG_INFINITY, f32::max);
+                    assert_eq!(m_new, y_max, "{what}: the reference is the rounded maximum");
+                    let want_alpha = if m_old == f32::NEG_INFINITY { 1.0 } else { 0.0 };
+                    assert_eq!(alpha, want_alpha, "{what}");
+                    // The short polynomials' error at `2^0` (as in the test above), and the
+                    // rounding to bf16 components.
+                    let tol = if two {
+                        3e-6 + 2f64.powi(-16)
+                    } else {
+                        1.1e-4 + 2f64.powi(-8)
+                    };
+                    for i in 0..64 {
+                        let got = half::bf16::from_bits(hi[i]).to_f64()
+                            + if two {
+                                half::bf16::from_bits(lo[i]).to_f64()
+                            } else {
+                                0.0
+                            };
+                        if i == spike {
+                            assert!((got - 1.0).abs() <= tol, "{what}: key {i} p {got}");
+                        } else {
+                            assert_eq!(got, 0.0, "{what}: key {i}");
+                        }
+                    }
+                    let l: f64 = l16.iter().map(|&v| v as f64).sum();
+                    let want_l = if m_old == f32::NEG_INFINITY {
+                        4.0 + 1.0
+                    } else {
+                        1.0
+                    };
+                    assert!((l - want_l).abs() <= 1.1e-4, "{what}: row sum {l}");
                 }
             }
         }
