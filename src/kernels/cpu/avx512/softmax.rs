@@ -354,7 +354,7 @@ unsafe fn lazy_pass<const HI_ONLY: bool>(
     }
     // The block's maximum ran ahead: redo the row against it. The reference is that
     // maximum itself, not `m` plus its distance (which rounds when the two differ by
-    // more than a factor of 2), so the largest key gets exactly `2^0`.
+    // more than a factor of 2), so the largest key gets an exponent of exactly 0.
     let m_new = _mm512_reduce_max_ps(y_max);
     let sum = exp_pass::<HI_ONLY>(x, (a, z), c, m_new, hi, lo);
     (m_new, sum, true)
@@ -377,7 +377,9 @@ unsafe fn visible_max(x: &[f32], (a, z): (usize, usize), c: f32) -> __m512 {
     ym
 }
 
-/// `p = 2^(c·x − m)` on the visible keys `[a, z)` (0 elsewhere) stored as bf16 components
+/// `p = 2^(y − m)`, `y = c·x` rounded to f32 first (as the maximum that gives the
+/// reference is, so that a key at the reference gets an exponent of exactly 0 however
+/// large the scores), on the visible keys `[a, z)` (0 elsewhere) stored as bf16 components
 /// (see [`softmax_row_bf16`]); returns the lane-wise `Σ p`. The 32-key steps wholly
 /// inside `[a, z)` run without lane masks ([`exp_steps`]); the 16-key chunks before and
 /// after them take lane masks. Even chunks sum into one accumulator and odd ones into
