@@ -1,7 +1,8 @@
 //! Random calls of the public API, most of them invalid: wrong ranks, sizes, dtypes and
 //! mask shapes, empty dimensions, strided inputs, scales and soft-caps of every sign,
 //! sinks of the wrong shape, missing and misshapen weights, corrupt `config.json` files.
-//! Each call must return (a result or an error); none may panic. Shapes, dtypes and
+//! Each call must return (a result or an error); none may panic. SDPA calls that the
+//! fused kernel runs must also agree with the reference path. Shapes, dtypes and
 //! options come from fixed seeds (the tensors' values do not), so a failure names a call
 //! that can be replayed.
 use std::collections::HashMap;
@@ -106,7 +107,8 @@ fn run(desc: String, counts: &mut (usize, usize), f: impl FnOnce() -> Result<()>
     }
 }
 
-/// One random `scaled_dot_product_attention` call.
+/// One random `scaled_dot_product_attention` call, checked against the reference path
+/// where the fused kernel ran.
 fn sdpa_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     let dts = [
         DType::F32,
@@ -209,11 +211,41 @@ fn sdpa_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
         maybe_strided(r, &kd, dtkv),
         maybe_strided(r, &vd, dtkv),
     );
+    // Where the fused kernel ran on an ordinary scale, the reference path must agree
+    // within the fixtures' tolerance of the dtype (relative to max(1, max|reference|)),
+    // NaN for NaN. (Non-finite scales give 0 on one path and NaN on the other, see the
+    // README's choices; huge ones have their own test in `tests/extremes.rs`.)
+    let compare = opts.backend != Backend::Reference && opts.scale.is_none_or(|s| s.abs() <= 1.0);
     run(desc, counts, || {
         let out = scaled_dot_product_attention(&q, &k, &v, &opts)?;
-        out.output.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let got = out.output.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
         if let Some(w) = out.weights {
             w.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        }
+        if compare {
+            let reference = SdpaOptions {
+                backend: Backend::Reference,
+                need_weights: false,
+                ..opts.clone()
+            };
+            let want = scaled_dot_product_attention(&q, &k, &v, &reference)?.output;
+            let want = want.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            let top = want
+                .iter()
+                .filter(|x| x.is_finite())
+                .fold(1f64, |a, &b| a.max(b.abs()));
+            let tol = candle_attention::fixture::tolerance(q.dtype()) * top;
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let agree = if w.is_nan() {
+                    g.is_nan()
+                } else {
+                    (g - w).abs() <= tol
+                };
+                assert!(
+                    agree,
+                    "fused and reference differ at {i}: {g} against {w} (tolerance {tol:e})"
+                );
+            }
         }
         Ok(())
     })
