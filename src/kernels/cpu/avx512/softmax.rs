@@ -623,14 +623,14 @@ mod tests {
     }
 
     /// Scores so large that an f32 ulp of them is thousands (`c·x` up to about 1e11): the
-    /// key at the reference gets exactly `p = 1`, every other key 0, and nothing is
-    /// infinite or NaN, for a row's first block (the spike in the first 16 keys or after
-    /// them) and for later blocks whose maximum runs past smaller references, negative ones included
-    /// (where the distance to the maximum can exceed the maximum itself).
-    /// Before the reference became the rounded maximum itself, `2^(c·x − m)` of the
-    /// largest key could reach `2^4096` (the exact product minus its own rounding), and a
-    /// redo from such a reference added the distance in rounded form; both gave NaN
-    /// outputs in bf16 attention with scales of 1e10 and more.
+    /// reference is the rounded maximum, its key gets `p = 1` (to the polynomial's error),
+    /// every other key 0, and nothing is infinite or NaN. For a row's first block (the
+    /// spike in the first 16 keys or after them) and for later blocks whose maximum runs
+    /// past a smaller reference, negative ones included (where the distance to the
+    /// maximum exceeds the maximum itself). Before the reference became the rounded
+    /// maximum itself, `2^(c·x − m)` of the largest key could reach `2^4096` (the exact
+    /// product minus its own rounding), and a redo added the distance in rounded form;
+    /// both gave NaN outputs in bf16 attention with scales of 1e10 and more.
     #[test]
     fn softmax_row_bf16_keeps_huge_scores_finite() {
         if !(is_x86_feature_detected!("avx512f")
@@ -644,7 +644,7 @@ mod tests {
         for spike in [3usize, 40] {
             for m_old in [f32::NEG_INFINITY, 1e9, 2.5e10, -1e11, -3.3e10, -1.234e11, -7.7e9] {
                 for two in [false, true] {
-                    // Distinct scores 1e9 apart in the log2 domain, the largest at `spike`.
+                    // Distinct scores about 1.4e9 apart (log2 domain), the largest at `spike`.
                     let mut x: Vec<f32> = (0..64).map(|i| ((i * 37) % 64) as f32 * 0.1 - 3.3).collect();
                     x[spike] = 6.93;
                     let (mut hi, mut lo) = (vec![0u16; 64], vec![0u16; 64]);
