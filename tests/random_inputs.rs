@@ -1,8 +1,9 @@
 //! Random calls of the public API, most of them invalid: wrong ranks, sizes, dtypes and
 //! mask shapes, empty dimensions, strided inputs, scales and soft-caps of every sign,
 //! sinks of the wrong shape, missing and misshapen weights, corrupt `config.json` files.
-//! Each call must return (a result or an error); none may panic. SDPA calls that the
-//! fused kernel runs must also agree with the reference path. Shapes, dtypes and
+//! Each call must return (a result or an error); none may panic. SDPA calls, and
+//! `MultiheadAttention` and `DecoderAttention` layers, that ran on the fused kernel must
+//! also agree with the reference path. Shapes, dtypes and
 //! options come from fixed seeds (the tensors' values do not), so a failure names a call
 //! that can be replayed.
 use std::collections::HashMap;
@@ -105,6 +106,30 @@ fn run(desc: String, counts: &mut (usize, usize), f: impl FnOnce() -> Result<()>
             Some(format!("{desc}: {msg}"))
         }
     }
+}
+
+/// Asserts that `got` (a fused-kernel result) is within the fixtures' tolerance of the
+/// dtype of `want` (the reference path's), relative to max(1, max|want|), NaN for NaN.
+fn assert_agrees(got: &Tensor, want: &Tensor) -> Result<()> {
+    let g = got.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    let w = want.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    let top = w
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(1f64, |a, &b| a.max(b.abs()));
+    let tol = candle_attention::fixture::tolerance(want.dtype()) * top;
+    for (i, (g, w)) in g.iter().zip(&w).enumerate() {
+        let agree = if w.is_nan() {
+            g.is_nan()
+        } else {
+            (g - w).abs() <= tol
+        };
+        assert!(
+            agree,
+            "fused and reference differ at {i}: {g} against {w} (tolerance {tol:e})"
+        );
+    }
+    Ok(())
 }
 
 /// One random `scaled_dot_product_attention` call, checked against the reference path
@@ -218,7 +243,7 @@ fn sdpa_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
     let compare = opts.backend != Backend::Reference && opts.scale.is_none_or(|s| s.abs() <= 1.0);
     run(desc, counts, || {
         let out = scaled_dot_product_attention(&q, &k, &v, &opts)?;
-        let got = out.output.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        out.output.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         if let Some(w) = out.weights {
             w.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         }
@@ -229,23 +254,7 @@ fn sdpa_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
                 ..opts.clone()
             };
             let want = scaled_dot_product_attention(&q, &k, &v, &reference)?.output;
-            let want = want.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-            let top = want
-                .iter()
-                .filter(|x| x.is_finite())
-                .fold(1f64, |a, &b| a.max(b.abs()));
-            let tol = candle_attention::fixture::tolerance(q.dtype()) * top;
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                let agree = if w.is_nan() {
-                    g.is_nan()
-                } else {
-                    (g - w).abs() <= tol
-                };
-                assert!(
-                    agree,
-                    "fused and reference differ at {i}: {g} against {w} (tolerance {tol:e})"
-                );
-            }
+            assert_agrees(&out.output, &want)?;
         }
         Ok(())
     })
@@ -348,6 +357,14 @@ fn mha_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
         if let Some(w) = w {
             w.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         }
+        // The layer on the reference path must agree with the layer as it ran.
+        if args.backend != Backend::Reference {
+            let reference = MhaArgs {
+                backend: Backend::Reference,
+                ..args
+            };
+            assert_agrees(&out, &mha.forward_with(&q, &k, &v, &reference)?.0)?;
+        }
         Ok(())
     })
 }
@@ -424,14 +441,23 @@ fn decoder_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
         "{cfg:?} {dt:?} input {in_dt:?} width {width} batch {b} steps {steps:?} cache {cache_kind} (window {cache_window}) masked {masked} far positions {far} encoder length {enc_len}"
     );
     let mut r2 = Rng::new(r.next());
+    // The same layer on the reference path, with a cache of its own, must agree at every
+    // step: except where NaN scores are expected (a NaN scale, or a q/k norm with a
+    // negative epsilon), which the two paths treat differently (see the README).
+    let compare = !cfg.scale.is_nan() && cfg.qk_norm.is_none_or(|n| n.eps >= 0.0);
     run(desc, counts, move || {
-        let layer = DecoderAttention::new(&cfg, vb)?;
-        let mut cache = match cache_kind {
-            0 => None,
-            1 => Some(layer.new_cache()?),
-            2 => Some(KvCache::new()),
-            _ => Some(KvCache::rotating(cache_window)?),
+        let layer = DecoderAttention::new(&cfg, vb.clone())?;
+        let reference = DecoderAttention::new(&cfg, vb)?.with_backend(Backend::Reference);
+        let new_cache = |layer: &DecoderAttention| -> Result<Option<KvCache>> {
+            Ok(match cache_kind {
+                0 => None,
+                1 => Some(layer.new_cache()?),
+                2 => Some(KvCache::new()),
+                _ => Some(KvCache::rotating(cache_window)?),
+            })
         };
+        let mut cache = new_cache(&layer)?;
+        let mut ref_cache = new_cache(&reference)?;
         let mut seen = 0usize;
         for &l in &steps {
             let x = tensor(&[b, l, width], in_dt);
@@ -439,14 +465,24 @@ fn decoder_call(r: &mut Rng, counts: &mut (usize, usize)) -> Option<String> {
                 // Without the encoder's states one time in four: a cache that holds them
                 // serves, an empty one is an error.
                 let enc = (r2.below(4) != 0).then(|| tensor(&[b, enc_len, width], in_dt));
-                layer.forward_cross(&x, enc.as_ref(), cache.as_mut())?
+                let out = layer.forward_cross(&x, enc.as_ref(), cache.as_mut())?;
+                if compare {
+                    let want = reference.forward_cross(&x, enc.as_ref(), ref_cache.as_mut())?;
+                    assert_agrees(&out, &want)?;
+                }
+                out
             } else {
                 let base = if far { u32::MAX as usize - 2 } else { seen };
                 let pos: Vec<u32> = (0..b * l).map(|i| (base + i % l.max(1)) as u32).collect();
                 let pos = Tensor::from_vec(pos, (b, l), &Device::Cpu)?;
                 let t = if cached { seen + l } else { l };
                 let mask = masked.then(|| tensor(&[b, t], DType::U8));
-                layer.forward_cached(&x, &pos, mask.as_ref(), cache.as_mut())?
+                let out = layer.forward_cached(&x, &pos, mask.as_ref(), cache.as_mut())?;
+                if compare {
+                    let want = reference.forward_cached(&x, &pos, mask.as_ref(), ref_cache.as_mut())?;
+                    assert_agrees(&out, &want)?;
+                }
+                out
             };
             out.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             seen += l;
