@@ -103,40 +103,57 @@ unsafe fn hmax_all(x: __m256) -> __m256 {
 /// (row `r` at `s[r * lds..]`, `lds ≥ BK`), where row `r` sees keys `range(r) = (a, z)`,
 /// `a ≤ z ≤ BK`. Per row, as [`online_row`] on `row[a..z]`: `m_new = max(m, max)`,
 /// `row = 2^(row − m_new)`, `alpha = 2^(m − m_new)`, `l = l·alpha + Σ row`, `m = m_new`,
-/// and the row's other keys up to [`BK`] become 0. A row with no finite score becomes 0
-/// with `alpha = 1` and `m`, `l` unchanged. Each row is read in eight vectors, with lanes
-/// outside its range replaced by −inf, in two passes over all rows (maxima and `alpha`,
+/// and the row's other keys below `nk` rounded up to 8 become 0 (keys from there up to
+/// [`BK`] are left as they are). A row with no finite score becomes 0 with `alpha = 1`
+/// and `m`, `l` unchanged. Each row is read in `nk.div_ceil(8)` vectors (one for a
+/// block's tail of up to 8 keys, eight for a full block), with lanes outside its range
+/// replaced by −inf, in two passes over all rows (maxima and `alpha`,
 /// then probabilities and sums): one row's chain from its loads to its sum is longer than
 /// the out-of-order window, so a single pass per row leaves the rows serialised. For the
 /// same reason a row's eight exponentials run interleaved, step by step
 /// ([`exp2_256_nonpos_n`]), not one after the other.
 ///
 /// # Safety
-/// AVX2 and FMA must be available, and every `range(r)` must satisfy `a ≤ z ≤ BK`.
+/// AVX2 and FMA must be available, and every `range(r)` must satisfy `a ≤ z ≤ nk ≤ BK`.
 pub(in crate::kernels::cpu) unsafe fn online_rows_block(
     s: &mut [f32],
-    lds: usize,
-    n: usize,
+    (lds, n, nk): (usize, usize, usize),
     range: impl Fn(usize) -> (usize, usize),
     (m, l, alpha): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
-    assert!(lds >= BK && m.len() >= n && l.len() >= n && alpha.len() >= n);
+    assert!(nk <= BK && lds >= BK && m.len() >= n && l.len() >= n && alpha.len() >= n);
     assert!(n == 0 || s.len() >= (n - 1) * lds + BK);
+    let sp = s.as_mut_ptr();
+    let none = std::ptr::null();
+    macro_rules! rows {
+        ($v:literal) => {
+            online_rows_block_inner::<false, $v>(sp, lds, n, range, none, (m, l, alpha))
+        };
+    }
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
-        online_rows_block_inner::<false>(s.as_mut_ptr(), lds, n, range, std::ptr::null(), (m, l, alpha))
+        match nk.div_ceil(8) {
+            0 | 1 => rows!(1),
+            2 => rows!(2),
+            3 => rows!(3),
+            4 => rows!(4),
+            5 => rows!(5),
+            6 => rows!(6),
+            7 => rows!(7),
+            _ => rows!(8),
+        }
     }
 }
 
-/// Row `r`'s eight vectors, −inf outside `(a, z)`.
+/// The first `V` vectors of a row, −inf outside `[a, z)`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn load_row_ranged(row: *const f32, (a, z): (usize, usize)) -> [__m256; BK / 8] {
-    let mut x = [_mm256_setzero_ps(); BK / 8];
+unsafe fn load_row_ranged<const V: usize>(row: *const f32, (a, z): (usize, usize)) -> [__m256; V] {
+    let mut x = [_mm256_setzero_ps(); V];
     for (i, xi) in x.iter_mut().enumerate() {
         *xi = _mm256_loadu_ps(row.add(8 * i));
     }
-    if a > 0 || z < BK {
+    if a > 0 || z < 8 * V {
         let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         let (av, zv) = (_mm256_set1_epi32(a as i32 - 1), _mm256_set1_epi32(z as i32));
         let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
@@ -150,9 +167,10 @@ unsafe fn load_row_ranged(row: *const f32, (a, z): (usize, usize)) -> [__m256; B
     x
 }
 
-/// `PRE`: the row maxima come from `pre` (see [`online_rows_block_premax`]).
+/// `PRE`: the row maxima come from `pre` (see [`online_rows_block_premax`]). `V`: the
+/// vectors of 8 keys read per row (`1..=BK / 8`).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn online_rows_block_inner<const PRE: bool>(
+unsafe fn online_rows_block_inner<const PRE: bool, const V: usize>(
     s: *mut f32,
     lds: usize,
     n: usize,
@@ -160,13 +178,19 @@ unsafe fn online_rows_block_inner<const PRE: bool>(
     pre: *const f32,
     (m, l, alpha): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
-    const V: usize = BK / 8;
+    const { assert!(V >= 1 && V <= BK / 8) };
     for r in 0..n {
         let mx = if PRE {
             _mm256_loadu_ps(pre.add(r * 8))
         } else {
-            let x = load_row_ranged(s.add(r * lds), range(r));
-            let mut t = [_mm256_setzero_ps(); V / 2];
+            // The tree of a full block's eight vectors, with −inf for those not read:
+            // `max` with a NaN returns its second operand, so the tree's shape decides
+            // what a NaN score does to the maximum, and a block's tail keeps the
+            // maximum (and so the rounding) it had when all eight vectors were read.
+            let xr = load_row_ranged::<V>(s.add(r * lds), range(r));
+            let mut x = [_mm256_set1_ps(f32::NEG_INFINITY); BK / 8];
+            x[..V].copy_from_slice(&xr);
+            let mut t = [_mm256_setzero_ps(); BK / 16];
             for (i, ti) in t.iter_mut().enumerate() {
                 *ti = _mm256_max_ps(x[2 * i], x[2 * i + 1]);
             }
@@ -193,7 +217,7 @@ unsafe fn online_rows_block_inner<const PRE: bool>(
             }
             continue;
         }
-        let x = load_row_ranged(row, range(r));
+        let x = load_row_ranged::<V>(row, range(r));
         let mv = _mm256_set1_ps(m_new);
         let mut sum = [_mm256_setzero_ps(); 2];
         let mut d = x;
@@ -226,6 +250,13 @@ pub(in crate::kernels::cpu) unsafe fn online_rows_block_premax(
     assert!(n == 0 || s.len() >= (n - 1) * lds + BK);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
-        online_rows_block_inner::<true>(s.as_mut_ptr(), lds, n, |_| (0, BK), mx.as_ptr(), (m, l, alpha))
+        online_rows_block_inner::<true, { BK / 8 }>(
+            s.as_mut_ptr(),
+            lds,
+            n,
+            |_| (0, BK),
+            mx.as_ptr(),
+            (m, l, alpha),
+        )
     }
 }

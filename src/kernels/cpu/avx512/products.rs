@@ -59,7 +59,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_softmax(
         for (i, row) in acc.iter().enumerate() {
             let r = st * MR + i;
             let p = if r < live {
-                softmax_regs(*row, (&mut m[r], &mut l[r], &mut alpha[r]))
+                softmax_regs(*row, false, (&mut m[r], &mut l[r], &mut alpha[r]))
             } else {
                 *row
             };

@@ -93,7 +93,10 @@ pub(crate) unsafe fn store_components(v: __m512, hi: *mut u16, lo: *mut u16) {
 ///
 /// The row stays in registers between its maximum and its exponentials (`NC` chunks of
 /// 16 keys, `16·NC ≥ nk`), so no pass over memory finds the maximum and a row whose
-/// maximum stays within the bound needs no horizontal maximum at all.
+/// maximum stays within the bound needs no horizontal maximum at all. The caller picks
+/// the fewest chunks that hold `nk` keys: a block's tail of up to 16 keys takes one.
+/// The maximum is then taken as over 4 chunks (`NC ≤ 4`) or 8, the rest −inf, as it was
+/// when every call read that many (see [`softmax_regs`]).
 ///
 /// # Safety
 /// AVX-512F and AVX512DQ must be available; `s` holds `n` rows of stride `lds ≥ nk`;
@@ -116,7 +119,7 @@ pub(in crate::kernels::cpu) unsafe fn online_rows_lazy<const NC: usize>(
         for (c, vc) in v.iter_mut().enumerate() {
             *vc = _mm512_mask_loadu_ps(ninf, chunk_mask(16 * c, ar), row.add(16 * c));
         }
-        let p = softmax_regs(v, (&mut m[r], &mut l[r], &mut alpha[r]));
+        let p = softmax_regs(v, !NC.is_multiple_of(4), (&mut m[r], &mut l[r], &mut alpha[r]));
         for (c, (&pc, &sm)) in p.iter().zip(&stores).enumerate() {
             _mm512_mask_storeu_ps(row.add(16 * c), sm, pc);
         }
@@ -127,15 +130,25 @@ pub(in crate::kernels::cpu) unsafe fn online_rows_lazy<const NC: usize>(
 /// chunks of 16 scores, -inf where hidden), as described at [`online_rows_lazy`]:
 /// returns the probabilities (0 where hidden, all 0 for a row with nothing visible so
 /// far) and updates the row's `m`, `l` and `alpha`.
+///
+/// With `hidden_after`, the row's maximum is taken as if more chunks of −inf followed:
+/// `max` with a NaN returns its second operand, so a −inf chunk turns the NaN lanes of
+/// the running maximum into −inf. A block's tail, read in fewer chunks than a full
+/// block, thus keeps the maximum (and so the rounding) that it had when it was read in
+/// as many chunks as a full block, NaN scores included.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq")]
 pub(super) unsafe fn softmax_regs<const NC: usize>(
     v: [__m512; NC],
+    hidden_after: bool,
     (m, l, alpha): (&mut f32, &mut f32, &mut f32),
 ) -> [__m512; NC] {
     let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
     for &vc in &v {
         mx = _mm512_max_ps(mx, vc);
+    }
+    if hidden_after {
+        mx = _mm512_max_ps(mx, _mm512_set1_ps(f32::NEG_INFINITY));
     }
     let m_old = *m;
     let (m_new, al) = if m_old == f32::NEG_INFINITY {

@@ -609,14 +609,26 @@ pub(super) fn online_rows(
             n <= m.len() && n <= lsum.len() && n <= alpha.len() && (n == 0 || sb.len() >= (n - 1) * lds + nk)
         );
         let sp = sb.as_mut_ptr();
+        // Only the 16-key chunks that hold keys are computed: a block's tail (5 keys of
+        // ViT's 197) takes one chunk, not four.
+        macro_rules! lazy {
+            ($nc:literal) => {
+                avx512::online_rows_lazy::<$nc>(sp, (lds, n, nk), range, (m, lsum, alpha))
+            };
+        }
         // SAFETY: `Isa::Avx512` is only selected after detecting AVX-512F and DQ; the
         // bounds of `sb`, `m`, `lsum` and `alpha` are asserted above, and every range
         // lies in `0..nk` with `nk ≤ 2·BK = 16·8`.
         unsafe {
-            if nk <= BK {
-                avx512::online_rows_lazy::<4>(sp, (lds, n, nk), range, (m, lsum, alpha));
-            } else {
-                avx512::online_rows_lazy::<8>(sp, (lds, n, nk), range, (m, lsum, alpha));
+            match nk.div_ceil(16) {
+                0 | 1 => lazy!(1),
+                2 => lazy!(2),
+                3 => lazy!(3),
+                4 => lazy!(4),
+                5 => lazy!(5),
+                6 => lazy!(6),
+                7 => lazy!(7),
+                _ => lazy!(8),
             }
         }
         return;
@@ -627,7 +639,7 @@ pub(super) fn online_rows(
     if p.isa == Isa::Avx2Fma && nk <= BK {
         // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`; every range
         // lies in `0..nk` with `nk ≤ BK`.
-        unsafe { avx2::online_rows_block(sb, lds, n, range, (m, lsum, alpha)) };
+        unsafe { avx2::online_rows_block(sb, (lds, n, nk), range, (m, lsum, alpha)) };
         return;
     }
     for r in 0..n {
