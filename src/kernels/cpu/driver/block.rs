@@ -454,9 +454,18 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             }
             KvSrc::Stream => {
                 pack_k(isa, &p.k, bb, kvh, j0, nk, e, kp.as_mut_slice(), tmp);
-                pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vp.as_mut_slice(), tmp);
+                // V rows are read in place where they can be, as on `Packed`.
+                let v_in_place = v_from(j0);
+                if v_in_place.is_some() {
+                    ask_v(j0, nk);
+                } else {
+                    pack_v(&p.v, bb, kvh, j0, nk, BK, ev, vp.as_mut_slice(), tmp);
+                }
                 qk(kp.as_slice(), sb);
-                (vp.as_slice(), BK * NR, NR)
+                match v_in_place {
+                    Some((vs, ldv)) => (vs, NR, ldv),
+                    None => (vp.as_slice(), BK * NR, NR),
+                }
             }
             KvSrc::Rows => {
                 let (ks, ldk) = rows_f32(&p.k, bb, kvh, j0, nk, e, K_ALIGN, kp.as_mut_slice());
@@ -658,7 +667,8 @@ pub(super) fn online_rows(
     }
 }
 
-/// The f32 V rows that the AVX-512 prefill reads in place instead of packing them:
+/// The f32 V rows that the AVX-512 prefill (`KvSrc::Packed` and `KvSrc::Stream`)
+/// reads in place instead of packing them:
 /// `Some((storage, row stride))` when V is f32 with unit inner stride and `Ev` is a
 /// non-zero multiple of 16, so that each key's row holds whole 16-lane panels. The
 /// `P·V` tiles then load adjacent panels of one row per key (the 6×64 tiles in

@@ -187,7 +187,8 @@ struct Item {
 enum KvSrc<'a> {
     /// The group's pre-packed K/V (`[kb][K block | V block]`).
     Packed(&'a [f32]),
-    /// Packed on the fly, block by block.
+    /// Packed on the fly, block by block (V read in place instead where
+    /// [`block::v_rows_in_place`] allows, as with `Packed`).
     Stream,
     /// Row-major rows straight from the source (decode path).
     Rows,
