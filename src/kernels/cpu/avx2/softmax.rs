@@ -110,7 +110,7 @@ unsafe fn hmax_all(x: __m256) -> __m256 {
 /// replaced by −inf, in two passes over all rows (maxima and `alpha`,
 /// then probabilities and sums): one row's chain from its loads to its sum is longer than
 /// the out-of-order window, so a single pass per row leaves the rows serialised. For the
-/// same reason a row's eight exponentials run interleaved, step by step
+/// same reason a row's exponentials (up to eight vectors) run interleaved, step by step
 /// ([`exp2_256_nonpos_n`]), not one after the other.
 ///
 /// # Safety
