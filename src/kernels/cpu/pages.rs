@@ -8,6 +8,15 @@
 //!   call's thread time (with the advice the call ran 2.6% faster). Smaller outputs are
 //!   reused from the heap and did not fault (`long8k_causal`'s 16 MiB: under 2 ms of
 //!   thread time, all of the stores included).
+//! - **Attention outputs are faulted in first** ([`fault_in_fresh_output`]). Even on huge
+//!   pages, the faults taken while the blocks were being written cost more than faulting
+//!   the same pages in before the blocks start: on the same VM (2026-12-07, one process,
+//!   the two ways alternating, medians of 12 pairs) calls with 32–64 MiB outputs took
+//!   0.0–1.8% less time that way (`gpt2k_causal_d128`'s shape 1.3–3.1% less, in three
+//!   runs), and none took more. The faults themselves stay: in `bench`'s process, faulting
+//!   in `gpt2k_causal_d128`'s 32 MiB on both threads took 4.6–6.3 ms per call (48.7 ms
+//!   on the first). Projection outputs are not faulted in first: a 32 MiB `Proj` output
+//!   took 1–4% more time that way.
 //! - **KV cache buffers** ([`zeroed`]). Decode streams the whole cache from DRAM at every
 //!   step. On the same VM, `decode_b4`'s 268 MB of f32 K/V were read 6–14% faster from
 //!   huge pages than from 4 KiB pages, and `decode_gqa`'s 33 MB 5–9% faster.
@@ -38,6 +47,48 @@ pub(crate) fn advise_fresh_output<T>(buf: &mut [std::mem::MaybeUninit<T>]) {
     let len = std::mem::size_of_val(buf);
     if len >= HUGE_OUTPUT_BYTES {
         advise(buf.as_mut_ptr() as usize, len);
+    }
+}
+
+/// [`advise_fresh_output`], then, for a buffer of at least [`HUGE_OUTPUT_BYTES`], faults
+/// its whole 2 MiB pages in before anything is written, one page per work item, shared
+/// among the threads ([`super::par::for_each_index`]). For the attention output (see the module
+/// docs): where the kernel refuses (before Linux 5.14, off Linux) the pages are faulted
+/// in when first written, as without it.
+pub(crate) fn fault_in_fresh_output<T>(buf: &mut [std::mem::MaybeUninit<T>]) {
+    advise_fresh_output(buf);
+    let len = std::mem::size_of_val(buf);
+    if len >= HUGE_OUTPUT_BYTES {
+        populate(buf.as_mut_ptr() as usize, len);
+    }
+}
+
+/// `MADV_POPULATE_WRITE` (Linux 5.14 and later; libc's constant is newer than the
+/// oldest libc this crate accepts): fault pages in writable, as a write to each would,
+/// without writing them. Older kernels refuse it with `EINVAL`.
+#[cfg(target_os = "linux")]
+const MADV_POPULATE_WRITE: libc::c_int = 23;
+
+/// Faults in the whole 2 MiB pages of the `len` bytes at `addr` (one `madvise` per page,
+/// the pages shared among the threads), leaving their contents as they are.
+///
+/// Callers hold those bytes mutably, so no other thread uses them.
+#[cfg_attr(not(target_os = "linux"), allow(unused_variables))]
+fn populate(addr: usize, len: usize) {
+    #[cfg(target_os = "linux")]
+    if let Some((start, end)) = huge_page_span(addr, len) {
+        super::par::for_each_index((end - start) / HUGE_PAGE, |i| {
+            // SAFETY: the page lies inside a buffer that the caller holds mutably;
+            // populating maps it in and never changes its contents. The result is
+            // ignored: a refused request leaves the page to be faulted in when written.
+            unsafe {
+                libc::madvise(
+                    (start + i * HUGE_PAGE) as *mut libc::c_void,
+                    HUGE_PAGE,
+                    MADV_POPULATE_WRITE,
+                );
+            }
+        });
     }
 }
 
@@ -324,15 +375,102 @@ mod tests {
         Ok(())
     }
 
+    /// Where this kernel populates on request, a large output prepared for the attention
+    /// kernel has all its whole huge pages resident before anything is written, and a
+    /// small one is left alone.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn large_attention_outputs_are_faulted_in_before_they_are_written() {
+        if !populate_is_honoured() {
+            eprintln!("MADV_POPULATE_WRITE refused or not honoured: nothing to check");
+            return;
+        }
+        let n = HUGE_OUTPUT_BYTES / 4;
+        let mut big: Vec<f32> = Vec::with_capacity(n);
+        fault_in_fresh_output(&mut big.spare_capacity_mut()[..n]);
+        let (start, end) = huge_page_span(big.as_ptr() as usize, 4 * n).expect("whole huge pages");
+        assert_eq!(resident_pages(start, end - start), (end - start) / page_size());
+        // A smaller one, in a fresh mapping of its own so that no earlier allocation
+        // left pages resident: 12 MiB, so it holds whole huge pages.
+        let len = HUGE_OUTPUT_BYTES / 4 + 4 * HUGE_PAGE;
+        // SAFETY: a fresh private anonymous mapping, used and unmapped here only.
+        unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED);
+            let buf = std::slice::from_raw_parts_mut(p as *mut std::mem::MaybeUninit<f32>, len / 4);
+            fault_in_fresh_output(buf);
+            assert_eq!(resident_pages(p as usize, len), 0);
+            libc::munmap(p, len);
+        }
+    }
+
+    /// The system's page size.
+    #[cfg(target_os = "linux")]
+    fn page_size() -> usize {
+        // SAFETY: `sysconf` has no preconditions.
+        unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
+    }
+
+    /// How many pages of the `len` bytes at page-aligned `addr` are resident (`mincore`).
+    #[cfg(target_os = "linux")]
+    fn resident_pages(addr: usize, len: usize) -> usize {
+        let mut vec = vec![0u8; len.div_ceil(page_size())];
+        // SAFETY: `[addr, addr + len)` is mapped (callers pass live buffers) and `vec`
+        // holds one byte per page.
+        let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore");
+        vec.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    /// Whether `MADV_POPULATE_WRITE` on a fresh mapping of our own leaves its pages
+    /// resident: Linux before 5.14 refuses it, and an emulator may accept it without
+    /// passing it on.
+    #[cfg(target_os = "linux")]
+    fn populate_is_honoured() -> bool {
+        const LEN: usize = 2 * HUGE_PAGE;
+        // SAFETY: a fresh private anonymous mapping, populated and then unmapped here
+        // only; nothing reads or writes it.
+        unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            if p == libc::MAP_FAILED {
+                return false;
+            }
+            let ok = libc::madvise(p, LEN, MADV_POPULATE_WRITE) == 0
+                && resident_pages(p as usize, LEN) == LEN / page_size();
+            libc::munmap(p, LEN);
+            ok
+        }
+    }
+
     #[test]
     fn advised_outputs_keep_what_is_written() {
         let n = HUGE_OUTPUT_BYTES / 4 + 1000;
-        let mut v: Vec<u32> = Vec::with_capacity(n);
-        advise_fresh_output(&mut v.spare_capacity_mut()[..n]);
-        v.extend((0..n as u32).map(|i| i.wrapping_mul(2_654_435_761)));
-        assert!(v
-            .iter()
-            .enumerate()
-            .all(|(i, &x)| x == (i as u32).wrapping_mul(2_654_435_761)));
+        for fault_in in [false, true] {
+            let mut v: Vec<u32> = Vec::with_capacity(n);
+            if fault_in {
+                fault_in_fresh_output(&mut v.spare_capacity_mut()[..n]);
+            } else {
+                advise_fresh_output(&mut v.spare_capacity_mut()[..n]);
+            }
+            v.extend((0..n as u32).map(|i| i.wrapping_mul(2_654_435_761)));
+            assert!(v
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == (i as u32).wrapping_mul(2_654_435_761)));
+        }
     }
 }

@@ -374,7 +374,7 @@ pub(crate) fn run<T: OutElem>(p: &Problem) -> Vec<T> {
     // had a visible key for it.
     let mut out: Vec<T> = Vec::with_capacity(total_rows * ev);
     let spare = &mut out.spare_capacity_mut()[..total_rows * ev];
-    super::pages::advise_fresh_output(spare);
+    super::pages::fault_in_fresh_output(spare);
     let (base, len) = (spare.as_mut_ptr(), spare.len());
     // A group's row blocks tile its rows `0..g·L` in order, and groups hold distinct
     // (batch, head) rows, so no row belongs to two blocks and every row to one.
