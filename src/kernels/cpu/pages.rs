@@ -229,24 +229,35 @@ pub(crate) fn thp_available() -> bool {
 #[cfg(all(test, target_os = "linux"))]
 fn advice_is_reported() -> bool {
     const LEN: usize = 2 * HUGE_PAGE;
-    // SAFETY: a fresh private anonymous mapping, advised and then unmapped here only;
-    // nothing reads or writes it.
+    with_fresh_mapping(LEN, |p| {
+        // SAFETY: `p` is a fresh mapping of `LEN` bytes of our own.
+        let advised = unsafe { libc::madvise(p as *mut libc::c_void, LEN, libc::MADV_HUGEPAGE) } == 0;
+        advised && vm_flags(p).is_some_and(|f| f.split_whitespace().any(|x| x == "hg"))
+    })
+    .unwrap_or(false)
+}
+
+/// `f(address)` on a fresh private anonymous mapping of `len` bytes of our own, which is
+/// unmapped when `f` returns; `None` when it cannot be mapped.
+#[cfg(all(test, target_os = "linux"))]
+fn with_fresh_mapping<R>(len: usize, f: impl FnOnce(usize) -> R) -> Option<R> {
+    // SAFETY: a new mapping that only `f` uses, and only until it returns (it gets the
+    // address, not a reference); unmapped here with the length it was mapped with.
     unsafe {
         let p = libc::mmap(
             std::ptr::null_mut(),
-            LEN,
+            len,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
             0,
         );
         if p == libc::MAP_FAILED {
-            return false;
+            return None;
         }
-        let reported = libc::madvise(p, LEN, libc::MADV_HUGEPAGE) == 0
-            && vm_flags(p as usize).is_some_and(|f| f.split_whitespace().any(|x| x == "hg"));
-        libc::munmap(p, LEN);
-        reported
+        let r = f(p as usize);
+        libc::munmap(p, len);
+        Some(r)
     }
 }
 
@@ -393,22 +404,15 @@ mod tests {
         // A smaller one, in a fresh mapping of its own so that no earlier allocation
         // left pages resident: 12 MiB, so it holds whole huge pages.
         let len = HUGE_OUTPUT_BYTES / 4 + 4 * HUGE_PAGE;
-        // SAFETY: a fresh private anonymous mapping, used and unmapped here only.
-        unsafe {
-            let p = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            );
-            assert_ne!(p, libc::MAP_FAILED);
-            let buf = std::slice::from_raw_parts_mut(p as *mut std::mem::MaybeUninit<f32>, len / 4);
+        let resident = with_fresh_mapping(len, |p| {
+            // SAFETY: `p` is a fresh mapping of `len` bytes of our own, so `len / 4`
+            // (uninitialised) floats, used only here.
+            let buf =
+                unsafe { std::slice::from_raw_parts_mut(p as *mut std::mem::MaybeUninit<f32>, len / 4) };
             fault_in_fresh_output(buf);
-            assert_eq!(resident_pages(p as usize, len), 0);
-            libc::munmap(p, len);
-        }
+            resident_pages(p, len)
+        });
+        assert_eq!(resident, Some(0));
     }
 
     /// The system's page size.
@@ -435,25 +439,12 @@ mod tests {
     #[cfg(target_os = "linux")]
     fn populate_is_honoured() -> bool {
         const LEN: usize = 2 * HUGE_PAGE;
-        // SAFETY: a fresh private anonymous mapping, populated and then unmapped here
-        // only; nothing reads or writes it.
-        unsafe {
-            let p = libc::mmap(
-                std::ptr::null_mut(),
-                LEN,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            );
-            if p == libc::MAP_FAILED {
-                return false;
-            }
-            let ok = libc::madvise(p, LEN, MADV_POPULATE_WRITE) == 0
-                && resident_pages(p as usize, LEN) == LEN / page_size();
-            libc::munmap(p, LEN);
-            ok
-        }
+        with_fresh_mapping(LEN, |p| {
+            // SAFETY: `p` is a fresh mapping of `LEN` bytes of our own.
+            let asked = unsafe { libc::madvise(p as *mut libc::c_void, LEN, MADV_POPULATE_WRITE) } == 0;
+            asked && resident_pages(p, LEN) == LEN / page_size()
+        })
+        .unwrap_or(false)
     }
 
     #[test]
