@@ -9,14 +9,15 @@
 //!   reused from the heap and did not fault (`long8k_causal`'s 16 MiB: under 2 ms of
 //!   thread time, all of the stores included).
 //! - **Attention outputs are faulted in first** ([`fault_in_fresh_output`]). Even on huge
-//!   pages, the faults taken while the blocks were being written cost more than faulting
-//!   the same pages in before the blocks start: on the same VM (2026-12-07, one process,
-//!   the two ways alternating, medians of 12 pairs) calls with 32–64 MiB outputs took
+//!   pages, faulting the output in before the blocks start measured faster than taking
+//!   the faults while the blocks write it: on the same VM (2026-12-07, one process, the
+//!   two ways alternating, medians of 12 pairs) calls with 32–64 MiB outputs took
 //!   0.0–1.8% less time that way (`gpt2k_causal_d128`'s shape 1.3–3.1% less, in three
-//!   runs), and none took more. The faults themselves stay: in `bench`'s process, faulting
-//!   in `gpt2k_causal_d128`'s 32 MiB on both threads took 4.6–6.3 ms per call (48.7 ms
-//!   on the first). Projection outputs are not faulted in first: a 32 MiB `Proj` output
-//!   took 1–4% more time that way.
+//!   runs); in an earlier run of 8 pairs, rows of 128 keys took 1.1–1.6% more. The
+//!   faults themselves stay: in `bench`'s process, faulting in `gpt2k_causal_d128`'s
+//!   32 MiB on both threads took 4.6–6.3 ms per call (48.7 ms on the first). Projection
+//!   outputs are not faulted in first: a 32 MiB `Proj` output took 1–4% more time that
+//!   way.
 //! - **KV cache buffers** ([`zeroed`]). Decode streams the whole cache from DRAM at every
 //!   step. On the same VM, `decode_b4`'s 268 MB of f32 K/V were read 6–14% faster from
 //!   huge pages than from 4 KiB pages, and `decode_gqa`'s 33 MB 5–9% faster.
@@ -52,9 +53,9 @@ pub(crate) fn advise_fresh_output<T>(buf: &mut [std::mem::MaybeUninit<T>]) {
 
 /// [`advise_fresh_output`], then, for a buffer of at least [`HUGE_OUTPUT_BYTES`], faults
 /// its whole 2 MiB pages in before anything is written, one page per work item, shared
-/// among the threads ([`super::par::for_each_index`]). For the attention output (see the module
-/// docs): where the kernel refuses (before Linux 5.14, off Linux) the pages are faulted
-/// in when first written, as without it.
+/// among the threads ([`super::par::for_each_index`]). For the attention output (see
+/// the module docs). Where the kernel refuses (before Linux 5.14) or off Linux, the
+/// pages are faulted in when first written, as without it.
 pub(crate) fn fault_in_fresh_output<T>(buf: &mut [std::mem::MaybeUninit<T>]) {
     advise_fresh_output(buf);
     let len = std::mem::size_of_val(buf);
