@@ -30,8 +30,8 @@ pub(in crate::kernels::cpu) unsafe fn qk(
 /// mask): each 6-row strip's 6×64 score tile ([`rows_loop_6x4`], Q row-major with row
 /// stride `e`) goes through [`softmax_regs`] while still in registers, and only the
 /// probabilities are stored (`s`, row stride `lds`). Rows `live..rows` are padding:
-/// their scores (0) are stored as they are. `m`, `l` and `alpha` are updated for the
-/// first `live` rows, as by [`online_rows_lazy`].
+/// their scores (0) are stored as they are. `m`, the lane-wise row sums `l16` (16 per
+/// row) and `alpha` are updated for the first `live` rows, as by [`online_rows_lazy`].
 ///
 /// # Safety
 /// AVX-512F and AVX512DQ must be available.
@@ -44,12 +44,12 @@ pub(in crate::kernels::cpu) unsafe fn qk_softmax(
     kp: &[f32],
     s: &mut [f32],
     lds: usize,
-    (m, l, alpha): (&mut [f32], &mut [f32], &mut [f32]),
+    (m, l16, alpha): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
     assert!(rows.is_multiple_of(MR) && live <= rows && lds >= BK && BK == 4 * NR);
     assert!(q.len() >= rows * e && kp.len() >= BK * e);
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + BK);
-    assert!(m.len() >= live && l.len() >= live && alpha.len() >= live);
+    assert!(m.len() >= live && l16.len() >= 16 * live && alpha.len() >= live);
     let (qp, kpp, sp) = (q.as_ptr(), kp.as_ptr(), s.as_mut_ptr());
     for st in 0..rows / MR {
         let mut acc = [[_mm512_setzero_ps(); 4]; 6];
@@ -59,7 +59,14 @@ pub(in crate::kernels::cpu) unsafe fn qk_softmax(
         for (i, row) in acc.iter().enumerate() {
             let r = st * MR + i;
             let p = if r < live {
-                softmax_regs(*row, false, (&mut m[r], &mut l[r], &mut alpha[r]))
+                // SAFETY: `l16` holds 16 floats per live row (asserted above).
+                unsafe {
+                    softmax_regs(
+                        *row,
+                        false,
+                        (&mut m[r], l16.as_mut_ptr().add(16 * r), &mut alpha[r]),
+                    )
+                }
             } else {
                 *row
             };

@@ -84,12 +84,15 @@ pub(crate) unsafe fn store_components(v: __m512, hi: *mut u16, lo: *mut u16) {
 /// Online-softmax update of `n` f32 score rows of at most 128 keys, in place, lazily
 /// rescaled as in [`softmax_row_bf16`]: row `r` (at `s + r·lds`, `nk` keys) becomes
 /// `p = 2^(x − m_new)` on its visible keys `[a, z)` and 0 on the rest of `0..nk`, where
-/// `(a, z) = range(r)`. `m`, `l` and `alpha` are updated as by `avx2::online_row`
-/// (`l ← alpha·l + Σ p`), except that the reference `m_new` stays `m_old`
-/// (`alpha = 1`) unless the row's maximum exceeds it by more than
-/// [`LAZY_RESCALE_LOG2`], so `p ≤ 2^8`. A row's first visible block (`m_old = −inf`)
-/// sets `m_new` to its maximum; a row with no visible key so far is all 0, with `m`
-/// and `l` unchanged and `alpha = 1`.
+/// `(a, z) = range(r)`. `m`, the row sum and `alpha` are updated as by
+/// `avx2::online_row` (`l ← alpha·l + Σ p`), except that the reference `m_new` stays
+/// `m_old` (`alpha = 1`) unless the row's maximum exceeds it by more than
+/// [`LAZY_RESCALE_LOG2`], so `p ≤ 2^8`, and that the row sum is kept as 16 lane-wise
+/// partial sums, `l16[16·r..16·r + 16]`, whose total is the row sum: each block adds
+/// its sum vector with one multiply-add, where a horizontal sum per row and block took
+/// about 1.5% of the time at D = 64. A row's first visible block (`m_old = −inf`) sets
+/// `m_new` to its maximum (and `alpha = 0`, so whatever `l16` held is dropped); a row
+/// with no visible key so far is all 0, with `m` and `l16` unchanged and `alpha = 1`.
 ///
 /// The row stays in registers between its maximum and its exponentials (`NC` chunks of
 /// 16 keys, `16·NC ≥ nk`), so no pass over memory finds the maximum and a row whose
@@ -100,15 +103,16 @@ pub(crate) unsafe fn store_components(v: __m512, hi: *mut u16, lo: *mut u16) {
 ///
 /// # Safety
 /// AVX-512F and AVX512DQ must be available; `s` holds `n` rows of stride `lds ≥ nk`;
-/// `m`, `l`, `alpha` hold `n` elements; `a ≤ z ≤ nk ≤ 16·NC` for every range.
+/// `m` and `alpha` hold `n` elements and `l16` `16·n`; `a ≤ z ≤ nk ≤ 16·NC` for every
+/// range.
 #[target_feature(enable = "avx512f,avx512dq")]
 pub(in crate::kernels::cpu) unsafe fn online_rows_lazy<const NC: usize>(
     s: *mut f32,
     (lds, n, nk): (usize, usize, usize),
     range: impl Fn(usize) -> (usize, usize),
-    (m, l, alpha): (&mut [f32], &mut [f32], &mut [f32]),
+    (m, l16, alpha): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
-    debug_assert!(nk <= 16 * NC && lds >= nk && m.len() >= n && l.len() >= n && alpha.len() >= n);
+    debug_assert!(nk <= 16 * NC && lds >= nk && m.len() >= n && l16.len() >= 16 * n && alpha.len() >= n);
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let stores: [__mmask16; NC] = std::array::from_fn(|c| chunk_mask(16 * c, (0, nk)));
     for r in 0..n {
@@ -119,7 +123,11 @@ pub(in crate::kernels::cpu) unsafe fn online_rows_lazy<const NC: usize>(
         for (c, vc) in v.iter_mut().enumerate() {
             *vc = _mm512_mask_loadu_ps(ninf, chunk_mask(16 * c, ar), row.add(16 * c));
         }
-        let p = softmax_regs(v, !NC.is_multiple_of(4), (&mut m[r], &mut l[r], &mut alpha[r]));
+        let p = softmax_regs(
+            v,
+            !NC.is_multiple_of(4),
+            (&mut m[r], l16.as_mut_ptr().add(16 * r), &mut alpha[r]),
+        );
         for (c, (&pc, &sm)) in p.iter().zip(&stores).enumerate() {
             _mm512_mask_storeu_ps(row.add(16 * c), sm, pc);
         }
@@ -129,19 +137,23 @@ pub(in crate::kernels::cpu) unsafe fn online_rows_lazy<const NC: usize>(
 /// The lazily rescaled online-softmax update of one score row held in registers (`NC`
 /// chunks of 16 scores, -inf where hidden), as described at [`online_rows_lazy`]:
 /// returns the probabilities (0 where hidden, all 0 for a row with nothing visible so
-/// far) and updates the row's `m`, `l` and `alpha`.
+/// far) and updates the row's `m`, its 16 partial sums at `l16` and `alpha`.
 ///
 /// With `hidden_after`, the row's maximum is taken as if more chunks of −inf followed:
 /// `max` with a NaN returns its second operand, so a −inf chunk turns the NaN lanes of
 /// the running maximum into −inf. A block's tail, read in fewer chunks than a full
 /// block, thus keeps the maximum (and so the rounding) that it had when it was read in
 /// as many chunks as a full block, NaN scores included.
+///
+/// # Safety
+/// AVX-512F and AVX512DQ must be available; `l16` points to 16 floats, read and
+/// written.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq")]
 pub(super) unsafe fn softmax_regs<const NC: usize>(
     v: [__m512; NC],
     hidden_after: bool,
-    (m, l, alpha): (&mut f32, &mut f32, &mut f32),
+    (m, l16, alpha): (&mut f32, *mut f32, &mut f32),
 ) -> [__m512; NC] {
     let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
     for &vc in &v {
@@ -176,7 +188,10 @@ pub(super) unsafe fn softmax_regs<const NC: usize>(
         sum = _mm512_add_ps(sum, pc);
         pc
     });
-    *l = *l * al + _mm512_reduce_add_ps(sum);
+    _mm512_storeu_ps(
+        l16,
+        _mm512_fmadd_ps(_mm512_loadu_ps(l16), _mm512_set1_ps(al), sum),
+    );
     *m = m_new;
     *alpha = al;
     p

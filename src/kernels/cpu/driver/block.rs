@@ -177,6 +177,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         vp,
         m,
         l: lsum,
+        l16,
         alpha,
         lo,
         hi,
@@ -261,6 +262,12 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         }
     }
     reset_accumulators(cleared, evp, (o, m, lsum, alpha));
+    // The AVX-512 softmax keeps each row's sum in 16 lanes (`l16`), which are added
+    // into `lsum` after the last key block.
+    let lanes = isa == Isa::Avx512;
+    if lanes {
+        l16[..n * 16].fill(0.0);
+    }
 
     let klo = lo_min.max(ks0);
     let khi = hi_max.min(ks1).min(s);
@@ -303,7 +310,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     let mut a0 = [0f32; BQ];
                     // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
                     unsafe {
-                        avx512::qk_softmax(qpk, (rows, n), e, k0, sb, lds, (&mut *m, &mut *lsum, &mut *alpha))
+                        avx512::qk_softmax(qpk, (rows, n), e, k0, sb, lds, (&mut *m, &mut *l16, &mut *alpha))
                     };
                     a0[..n].copy_from_slice(&alpha[..n]);
                     // SAFETY: as above.
@@ -315,7 +322,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                             k1,
                             &mut sb[BK..],
                             lds,
-                            (&mut *m, &mut *lsum, &mut *alpha),
+                            (&mut *m, &mut *l16, &mut *alpha),
                         )
                     };
                     for r in 0..n {
@@ -328,7 +335,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     isa.qk(qpk, rows, e, k0, BK / NR, sb, lds);
                     isa.qk(qpk, rows, e, k1, (nk2 - BK).div_ceil(NR), &mut sb[BK..], lds);
                     let rows_of = RowsOf { bb, hh, ii, lo, hi };
-                    online_rows(p, &rows_of, (sb, lds, n), (j0, nk2, false), (m, lsum, alpha));
+                    online_rows(p, &rows_of, (sb, lds, n), (j0, nk2, false), (m, lsum, l16, alpha));
                 }
                 let (v0, v1, vps, ldv) = match (v_from(j0), v_from(j0 + BK)) {
                     (Some((v0, ldv)), Some((v1, _))) => (v0, v1, NR, ldv),
@@ -391,7 +398,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             if fused {
                 // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
                 return unsafe {
-                    avx512::qk_softmax(qpk, (rows, n), e, kps, sb, BK, (&mut *m, &mut *lsum, &mut *alpha))
+                    avx512::qk_softmax(qpk, (rows, n), e, kps, sb, BK, (&mut *m, &mut *l16, &mut *alpha))
                 };
             }
             #[cfg(target_arch = "x86_64")]
@@ -482,7 +489,13 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             };
         } else if !fused {
             let rows_of = RowsOf { bb, hh, ii, lo, hi };
-            online_rows(p, &rows_of, (sb, BK, n), (j0, nk, need_causal), (m, lsum, alpha));
+            online_rows(
+                p,
+                &rows_of,
+                (sb, BK, n),
+                (j0, nk, need_causal),
+                (m, lsum, l16, alpha),
+            );
         }
         let o = o.as_mut_slice();
         if trimmed {
@@ -557,6 +570,11 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         }
         kb += 1;
     }
+    if lanes {
+        for (l, lanes) in lsum[..n].iter_mut().zip(l16.chunks_exact(16)) {
+            *l = lanes.iter().sum();
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if split {
         for row in o.as_mut_slice().chunks_exact_mut(evp).take(n) {
@@ -584,7 +602,7 @@ pub(super) fn online_rows(
     rows: &RowsOf,
     (sb, lds, n): (&mut [f32], usize, usize),
     (j0, nk, causal): (usize, usize, bool),
-    (m, lsum, alpha): (&mut [f32], &mut [f32], &mut [f32]),
+    (m, lsum, l16, alpha): (&mut [f32], &mut [f32], &mut [f32], &mut [f32]),
 ) {
     let range = |r: usize| {
         if causal {
@@ -615,14 +633,17 @@ pub(super) fn online_rows(
         // Callers pass one key block or a pair of them.
         assert!(nk <= 2 * BK, "{nk} keys: at most two blocks per softmax update");
         assert!(
-            n <= m.len() && n <= lsum.len() && n <= alpha.len() && (n == 0 || sb.len() >= (n - 1) * lds + nk)
+            n <= m.len()
+                && 16 * n <= l16.len()
+                && n <= alpha.len()
+                && (n == 0 || sb.len() >= (n - 1) * lds + nk)
         );
         let sp = sb.as_mut_ptr();
         // Only the 16-key chunks that hold keys are computed: a block's tail (5 keys of
         // ViT's 197) takes one chunk, not four.
         macro_rules! lazy {
             ($nc:literal) => {
-                avx512::online_rows_lazy::<$nc>(sp, (lds, n, nk), range, (m, lsum, alpha))
+                avx512::online_rows_lazy::<$nc>(sp, (lds, n, nk), range, (m, l16, alpha))
             };
         }
         // SAFETY: `Isa::Avx512` is only selected after detecting AVX-512F and DQ; the

@@ -14,6 +14,10 @@ pub(super) struct Scratch {
     pub(super) vp: AlignedBuf,
     pub(super) m: Vec<f32>,
     pub(super) l: Vec<f32>,
+    /// Each row's softmax sum as 16 lane-wise partial sums, on the AVX-512 f32 path
+    /// (`avx512::qk_softmax`, `avx512::online_rows_lazy`): `process` adds them into `l`
+    /// once, after its last key block.
+    pub(super) l16: Vec<f32>,
     pub(super) alpha: Vec<f32>,
     pub(super) lo: Vec<usize>,
     pub(super) hi: Vec<usize>,
@@ -82,6 +86,7 @@ impl Scratch {
             vp: AlignedBuf::new(v_block_len(BK, ev)),
             m: vec![0.0; rp],
             l: vec![0.0; rp],
+            l16: vec![0.0; rp * 16],
             alpha: vec![1.0; rp],
             lo: vec![0; rp],
             hi: vec![0; rp],
