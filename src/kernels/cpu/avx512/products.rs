@@ -52,10 +52,10 @@ pub(in crate::kernels::cpu) unsafe fn qk_softmax(
     assert!(m.len() >= live && l16.len() >= 16 * live && alpha.len() >= live);
     let (qp, kpp, sp) = (q.as_ptr(), kp.as_ptr(), s.as_mut_ptr());
     for st in 0..rows / MR {
-        let mut acc = [[_mm512_setzero_ps(); 4]; 6];
+        let zero = [[_mm512_setzero_ps(); 4]; 6];
         // SAFETY: the strip's Q rows and the block's four K panels are inside `q` and
-        // `kp` (asserted above).
-        unsafe { rows_loop_6x4(&mut acc, qp.add(st * MR * e), e * 4, kpp, e * NR * 4, e) };
+        // `kp` (asserted above). (By value: see `rows_loop_6x4`.)
+        let acc = unsafe { rows_loop_6x4(zero, qp.add(st * MR * e), e * 4, kpp, e * NR * 4, e) };
         for (i, row) in acc.iter().enumerate() {
             let r = st * MR + i;
             let p = if r < live {
@@ -137,14 +137,17 @@ unsafe fn qk_tile<const S: usize, const P: usize>(
     sp: *mut f32,
     lds: usize,
 ) {
-    let mut acc = [[_mm512_setzero_ps(); P]; 12];
     if S == 1 && P == 4 {
-        // SAFETY: with `P == 4`, the first six rows of `acc` are a `[[__m512; 4]; 6]`.
-        let a6 = unsafe { &mut *(acc.as_mut_ptr() as *mut [[__m512; 4]; 6]) };
-        rows_loop_6x4(a6, qs, kc * 4, kpp, panel_len * 4, kc);
-    } else {
-        qk_contract::<S, P>(&mut acc, qs, kc, (strip_len, panel_len), kpp);
+        let acc = rows_loop_6x4([[_mm512_setzero_ps(); 4]; 6], qs, kc * 4, kpp, panel_len * 4, kc);
+        for (r, row) in acc.iter().enumerate() {
+            for (pi, &v) in row.iter().enumerate() {
+                _mm512_storeu_ps(sp.add(r * lds + pi * NR), v);
+            }
+        }
+        return;
     }
+    let mut acc = [[_mm512_setzero_ps(); P]; 12];
+    qk_contract::<S, P>(&mut acc, qs, kc, (strip_len, panel_len), kpp);
     for (r, row) in acc.iter().enumerate().take(S * MR) {
         for (pi, &v) in row.iter().enumerate() {
             _mm512_storeu_ps(sp.add(r * lds + pi * NR), v);
@@ -254,6 +257,11 @@ macro_rules! tile_step_6x4 {
 /// and 24 FMAs; four steps share one set of pointer updates. The compiled intrinsics
 /// spent integer work per step on row addresses, and ran `enc1k_d128` 4% and `enc512`
 /// 2–3% slower (medians, alternating binaries).
+///
+/// The accumulators go in and come back by value. Passed as `&mut` to an array, they
+/// made the caller keep that array in memory, and since the assembly may read memory,
+/// a score tile's zeros were written there by a call of `memset` before every strip
+/// (1% of a `long8k_causal` profile; 1–2.5% of the time, see the kernel notes).
 macro_rules! tile_loop_6x4 {
     (
         $(#[$doc:meta])* $name:ident, $sa:literal, $sa4:literal, [$d1:literal, $d2:literal, $d3:literal],
@@ -262,10 +270,25 @@ macro_rules! tile_loop_6x4 {
         $(#[$doc])*
         #[inline]
         #[target_feature(enable = "avx512f")]
-        unsafe fn $name(acc: &mut [[__m512; 4]; 6], a: *const f32, la: usize, b: *const f32, sb: usize, n: usize) {
+        unsafe fn $name(
+            acc: [[__m512; 4]; 6],
+            a: *const f32,
+            la: usize,
+            b: *const f32,
+            sb: usize,
+            n: usize,
+        ) -> [[__m512; 4]; 6] {
             if n == 0 {
-                return;
+                return acc;
             }
+            let [
+                [mut c0, mut c1, mut c2, mut c3],
+                [mut c4, mut c5, mut c6, mut c7],
+                [mut c8, mut c9, mut c10, mut c11],
+                [mut c12, mut c13, mut c14, mut c15],
+                [mut c16, mut c17, mut c18, mut c19],
+                [mut c20, mut c21, mut c22, mut c23],
+            ] = acc;
             let $bs = sb;
             let bstep: usize = $bstep;
             // SAFETY: the caller guarantees the `a` rows and `b` operands of `n` steps.
@@ -294,30 +317,30 @@ macro_rules! tile_loop_6x4 {
                     "dec {r}",
                     "jnz 4b",
                     "5:",
-                    inout("zmm0") acc[0][0],
-                    inout("zmm1") acc[0][1],
-                    inout("zmm2") acc[0][2],
-                    inout("zmm3") acc[0][3],
-                    inout("zmm4") acc[1][0],
-                    inout("zmm5") acc[1][1],
-                    inout("zmm6") acc[1][2],
-                    inout("zmm7") acc[1][3],
-                    inout("zmm8") acc[2][0],
-                    inout("zmm9") acc[2][1],
-                    inout("zmm10") acc[2][2],
-                    inout("zmm11") acc[2][3],
-                    inout("zmm12") acc[3][0],
-                    inout("zmm13") acc[3][1],
-                    inout("zmm14") acc[3][2],
-                    inout("zmm15") acc[3][3],
-                    inout("zmm16") acc[4][0],
-                    inout("zmm17") acc[4][1],
-                    inout("zmm18") acc[4][2],
-                    inout("zmm19") acc[4][3],
-                    inout("zmm20") acc[5][0],
-                    inout("zmm21") acc[5][1],
-                    inout("zmm22") acc[5][2],
-                    inout("zmm23") acc[5][3],
+                    inout("zmm0") c0,
+                    inout("zmm1") c1,
+                    inout("zmm2") c2,
+                    inout("zmm3") c3,
+                    inout("zmm4") c4,
+                    inout("zmm5") c5,
+                    inout("zmm6") c6,
+                    inout("zmm7") c7,
+                    inout("zmm8") c8,
+                    inout("zmm9") c9,
+                    inout("zmm10") c10,
+                    inout("zmm11") c11,
+                    inout("zmm12") c12,
+                    inout("zmm13") c13,
+                    inout("zmm14") c14,
+                    inout("zmm15") c15,
+                    inout("zmm16") c16,
+                    inout("zmm17") c17,
+                    inout("zmm18") c18,
+                    inout("zmm19") c19,
+                    inout("zmm20") c20,
+                    inout("zmm21") c21,
+                    inout("zmm22") c22,
+                    inout("zmm23") c23,
                     out("zmm24") _,
                     out("zmm25") _,
                     out("zmm26") _,
@@ -337,6 +360,14 @@ macro_rules! tile_loop_6x4 {
                     options(nostack, readonly),
                 );
             }
+            [
+                [c0, c1, c2, c3],
+                [c4, c5, c6, c7],
+                [c8, c9, c10, c11],
+                [c12, c13, c14, c15],
+                [c16, c17, c18, c19],
+                [c20, c21, c22, c23],
+            ]
         }
     };
 }
@@ -588,10 +619,10 @@ pub(super) unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const 
             let v = (vb as *const f32).wrapping_add(v0);
             if ldv == NR {
                 // Packed V: a panel row per key.
-                rows_loop_6x4(a6, ps, ldp * 4, v, vps * 4, nk);
+                *a6 = rows_loop_6x4(*a6, ps, ldp * 4, v, vps * 4, nk);
             } else {
                 // V rows in place: four adjacent panels per key.
-                rows_loop_6x4_in_rows(a6, ps, ldp * 4, v, ldv * 4, nk);
+                *a6 = rows_loop_6x4_in_rows(*a6, ps, ldp * 4, v, ldv * 4, nk);
             }
             ps = ps.add(nk);
         }
