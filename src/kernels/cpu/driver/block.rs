@@ -391,7 +391,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             && matches!(src, KvSrc::Packed(_) | KvSrc::Stream);
         let fused = whole && isa == Isa::Avx512;
         let premax = whole && isa == Isa::Avx2Fma;
-        // `FnMut` only on x86-64, where the fused branch updates `m`, `lsum` and `alpha`.
+        // `FnMut` only on x86-64, where the fused branch updates `m`, `l16` and `alpha`.
         #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut qk = |kps: &[f32], sb: &mut [f32]| {
             #[cfg(target_arch = "x86_64")]
@@ -595,8 +595,9 @@ pub(super) struct RowsOf<'a> {
 /// The online-softmax update of the first `n` score rows of `sb` (row stride `lds`)
 /// for the `nk` keys from `j0`: adds the explicit mask, turns each row's visible part
 /// into probabilities (0 elsewhere; with `causal`, the visible part is the row's
-/// `[lo, hi)`, else all `nk` keys) and updates `m`, `l` and `alpha`. A row with no
-/// visible key is all 0, with `m` and `l` unchanged.
+/// `[lo, hi)`, else all `nk` keys) and updates `m`, the row sums and `alpha`: on AVX-512
+/// the sums are `l16`'s 16 lane-wise partial sums per row (see `process`), elsewhere
+/// `lsum`. A row with no visible key is all 0, with `m` and its sums unchanged.
 pub(super) fn online_rows(
     p: &Problem,
     rows: &RowsOf,
@@ -647,7 +648,7 @@ pub(super) fn online_rows(
             };
         }
         // SAFETY: `Isa::Avx512` is only selected after detecting AVX-512F and DQ; the
-        // bounds of `sb`, `m`, `lsum` and `alpha` are asserted above, and every range
+        // bounds of `sb`, `m`, `l16` and `alpha` are asserted above, and every range
         // lies in `0..nk` with `nk ≤ 2·BK = 16·8`.
         unsafe {
             match nk.div_ceil(16) {
