@@ -627,6 +627,10 @@ pub(super) fn online_rows(
             mk.add_row(rows.bb, rows.hh[r], rows.ii[r], j0 + a, vis, LOG2_E);
         }
     }
+    // Only the AVX-512 softmax keeps lane-wise sums.
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = &l16;
+
     // AVX-512: all rows in one call, each kept in registers, rescaled lazily
     // (`avx512::online_rows_lazy`). Measured, alternating binaries: see `NOTES.md`.
     #[cfg(target_arch = "x86_64")]
