@@ -78,9 +78,10 @@ unsafe fn hsum(x: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)))
 }
 
-/// Xorshift values spread over `[-half, half]`, from the nonzero seed `x` (the tests' inputs).
+/// Xorshift values spread over `[-half, half]`, from the nonzero seed `x` (the tests' inputs,
+/// the AVX-512 tiles' too).
 #[cfg(test)]
-fn uniform(mut x: u32, half: f32) -> impl FnMut() -> f32 {
+pub(super) fn uniform(mut x: u32, half: f32) -> impl FnMut() -> f32 {
     move || {
         x ^= x << 13;
         x ^= x >> 17;

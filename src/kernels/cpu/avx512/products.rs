@@ -681,6 +681,7 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
 
 #[cfg(test)]
 mod tests {
+    use super::super::super::avx2::uniform;
     use super::*;
 
     /// `P·V` on f32 V rows read in place (`vps = NR`, any row stride: the rows' own width,
@@ -789,5 +790,174 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The register tiles give the bits of scalar fused multiply-adds in the same order:
+    /// [`qk`] for 1–5 panels (the 6×64 assembly loop at 4 and after it a one-panel tile
+    /// at 5, the intrinsics tiles below 4) and contraction lengths with every remainder
+    /// of the four-step unroll; [`pv`] on packed V (the assembly loop over panels), on
+    /// V rows in place (the assembly loop over rows, `vps = NR`) and on a wider panel
+    /// row stride (the intrinsics loop), with the rescale factor applied to the output
+    /// first, and with no key at all (the loops hand their accumulators back as they
+    /// got them).
+    #[test]
+    fn tile_loops_match_scalar_fmas() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
+            eprintln!("note: no AVX-512F/DQ on this machine; the AVX-512 tiles not exercised");
+            return;
+        }
+        let mut rnd = uniform(4242, 1.0);
+        for rows in [6, 18] {
+            for e in [1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 128] {
+                for npanels in 1..=5 {
+                    let lds = 5 * NR;
+                    let q: Vec<f32> = (0..rows * e).map(|_| rnd()).collect();
+                    let kp: Vec<f32> = (0..npanels * e * NR).map(|_| rnd()).collect();
+                    let mut s = vec![f32::NAN; rows * lds];
+                    // SAFETY: AVX-512F detected above; shapes as the kernel requires.
+                    unsafe { qk(&q, rows, e, &kp, npanels, &mut s, lds) };
+                    for r in 0..rows {
+                        for j in 0..npanels * NR {
+                            let (pn, c) = (j / NR, j % NR);
+                            let want =
+                                (0..e).fold(0f32, |a, x| q[r * e + x].mul_add(kp[(pn * e + x) * NR + c], a));
+                            assert_eq!(
+                                s[r * lds + j],
+                                want,
+                                "qk rows {rows} e {e} panels {npanels} row {r} key {j}"
+                            );
+                        }
+                    }
+                }
+            }
+            for nk in [0, 1, 2, 3, 4, 5, 6, 31, 64] {
+                // (panel stride, row stride): packed panels, rows in place, wider panels.
+                for (vps, ldv) in [(BK * NR, NR), (NR, 4 * NR), (BK * 24, 24)] {
+                    let nvp = 4;
+                    let p: Vec<f32> = (0..rows * BK).map(|_| rnd()).collect();
+                    let vp: Vec<f32> = (0..(nvp - 1) * vps + BK * ldv + NR).map(|_| rnd()).collect();
+                    let alpha: Vec<f32> = (0..rows).map(|_| rnd()).collect();
+                    let ldo = nvp * NR + 8;
+                    let o0: Vec<f32> = (0..rows * ldo).map(|_| rnd()).collect();
+                    let mut o = o0.clone();
+                    // SAFETY: AVX-512F detected above; shapes as the kernel requires.
+                    unsafe { pv(&p, rows, rows, nk, &vp, vps, ldv, nvp, &mut o, ldo, &alpha) };
+                    for r in 0..rows {
+                        for c in 0..nvp * NR {
+                            let (n, cc) = (c / NR, c % NR);
+                            let a0 = alpha[r] * o0[r * ldo + c];
+                            let want =
+                                (0..nk).fold(a0, |a, j| p[r * BK + j].mul_add(vp[n * vps + j * ldv + cc], a));
+                            assert_eq!(
+                                o[r * ldo + c],
+                                want,
+                                "pv rows {rows} nk {nk} vps {vps} row {r} col {c}"
+                            );
+                        }
+                        assert_eq!(
+                            o[r * ldo + nvp * NR..(r + 1) * ldo],
+                            o0[r * ldo + nvp * NR..(r + 1) * ldo]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`qk_softmax`] keeps each live row's sum in 16 lanes: after a first block, their
+    /// total is the sum of the row's stored probabilities (`alpha = 0`, `m` the row's
+    /// largest score); after a second block, `alpha` times that plus the second block's
+    /// sum, both for rows whose reference stays (`alpha = 1`: scores of Q rows scaled
+    /// down) and for rows that rescale (scores three times the first block's). The
+    /// padding rows' lanes are not touched.
+    #[test]
+    fn qk_softmax_keeps_each_rows_sum_in_lanes() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
+            eprintln!("note: no AVX-512F/DQ on this machine; the fused softmax not exercised");
+            return;
+        }
+        let mut rnd = uniform(99, 1.7);
+        let (rows, live, e) = (12, 10, 64);
+        let q: Vec<f32> = (0..rows * e)
+            .map(|i| rnd() * if (i / e) % 2 == 0 { 0.01 } else { 1.0 })
+            .collect();
+        let ka: Vec<f32> = (0..BK * e).map(|_| rnd()).collect();
+        let kb: Vec<f32> = ka.iter().map(|x| 3.0 * x).collect();
+        let (mut m, mut alpha) = (vec![f32::NEG_INFINITY; live], vec![1f32; live]);
+        let mut l16 = vec![0f32; 16 * live];
+        l16.extend(std::iter::repeat_n(f32::NAN, 16 * (rows - live)));
+        let row_sum = |l16: &[f32], r: usize| l16[16 * r..16 * r + 16].iter().map(|&x| x as f64).sum::<f64>();
+        let (mut sa, mut sb) = (vec![0f32; rows * BK], vec![0f32; rows * BK]);
+        // SAFETY: AVX-512F and DQ detected above; shapes as the kernel requires.
+        unsafe {
+            qk_softmax(
+                &q,
+                (rows, live),
+                e,
+                &ka,
+                &mut sa,
+                BK,
+                (&mut m, &mut l16, &mut alpha),
+            )
+        };
+        let mut sum_a = vec![0f64; live];
+        for r in 0..live {
+            let scores: Vec<f32> = (0..BK)
+                .map(|j| {
+                    (0..e).fold(0f32, |a, x| {
+                        q[r * e + x].mul_add(ka[((j / NR) * e + x) * NR + j % NR], a)
+                    })
+                })
+                .collect();
+            assert_eq!(
+                m[r],
+                scores.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+                "row {r}"
+            );
+            assert_eq!(alpha[r], 0.0, "row {r}");
+            sum_a[r] = sa[r * BK..(r + 1) * BK].iter().map(|&x| x as f64).sum();
+            let got = row_sum(&l16, r);
+            assert!(
+                (got - sum_a[r]).abs() <= 1e-6 * sum_a[r],
+                "row {r}: lanes {got}, probabilities {}",
+                sum_a[r]
+            );
+        }
+        let m_a = m.clone();
+        // SAFETY: as above.
+        unsafe {
+            qk_softmax(
+                &q,
+                (rows, live),
+                e,
+                &kb,
+                &mut sb,
+                BK,
+                (&mut m, &mut l16, &mut alpha),
+            )
+        };
+        let (mut kept, mut moved) = (0, 0);
+        for r in 0..live {
+            let sum_b: f64 = sb[r * BK..(r + 1) * BK].iter().map(|&x| x as f64).sum();
+            let want = alpha[r] as f64 * sum_a[r] + sum_b;
+            let got = row_sum(&l16, r);
+            assert!(
+                (got - want).abs() <= 1e-6 * want,
+                "row {r}: lanes {got}, want {want} (alpha {})",
+                alpha[r]
+            );
+            if alpha[r] == 1.0 {
+                assert_eq!(m[r], m_a[r], "row {r}");
+                kept += 1;
+            } else {
+                assert!(alpha[r] < 1.0 && m[r] > m_a[r], "row {r}");
+                moved += 1;
+            }
+        }
+        assert!(kept > 0 && moved > 0, "kept {kept}, rescaled {moved}");
+        assert!(
+            l16[16 * live..].iter().all(|x| x.is_nan()),
+            "a padding row's lanes were written"
+        );
     }
 }
