@@ -349,6 +349,7 @@ unsafe fn pv_impl(
 
 #[cfg(test)]
 mod tests {
+    use super::super::super::tiles::reference;
     use super::*;
 
     /// The assembly tile loop ([`rows_loop_6x16`]) in both block products gives exactly
@@ -370,14 +371,7 @@ mod tests {
                 let mut s = vec![f32::NAN; rows * BK];
                 // SAFETY: AVX2 and FMA detected above; shapes as the kernel requires.
                 unsafe { qk(&q, rows, e, &kp, npanels, &mut s, BK) };
-                for r in 0..rows {
-                    for j in 0..npanels * NR {
-                        let (pn, c) = (j / NR, j % NR);
-                        let want =
-                            (0..e).fold(0f32, |a, x| q[r * e + x].mul_add(kp[(pn * e + x) * NR + c], a));
-                        assert_eq!(s[r * BK + j], want, "qk rows {rows} e {e} row {r} key {j}");
-                    }
-                }
+                reference::assert_qk(&q, (rows, e), &kp, npanels, &s, BK);
             }
             for nk in [1, 2, 3, 4, 5, 6, 31, 64] {
                 for ldv in [NR, 24] {
@@ -391,23 +385,7 @@ mod tests {
                     let mut o = o0.clone();
                     // SAFETY: AVX2 and FMA detected above; shapes as the kernel requires.
                     unsafe { pv(&p, rows, nk, &vp, vps, ldv, nvp, &mut o, ldo, &alpha) };
-                    for r in 0..rows {
-                        for c in 0..nvp * NR {
-                            let (n, cc) = (c / NR, c % NR);
-                            let a0 = alpha[r] * o0[r * ldo + c];
-                            let want =
-                                (0..nk).fold(a0, |a, j| p[r * BK + j].mul_add(vp[n * vps + j * ldv + cc], a));
-                            assert_eq!(
-                                o[r * ldo + c],
-                                want,
-                                "pv rows {rows} nk {nk} ldv {ldv} row {r} col {c}"
-                            );
-                        }
-                        assert_eq!(
-                            o[r * ldo + nvp * NR..(r + 1) * ldo],
-                            o0[r * ldo + nvp * NR..(r + 1) * ldo]
-                        );
-                    }
+                    reference::assert_pv(&p, (rows, nk), &vp, (vps, ldv, nvp), &alpha, &o0, &o, ldo);
                 }
             }
         }

@@ -682,7 +682,17 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
 #[cfg(test)]
 mod tests {
     use super::super::super::avx2::uniform;
+    use super::super::super::tiles::reference;
     use super::*;
+
+    /// Whether AVX-512F and DQ are here; when not, says that `what` is not exercised.
+    fn have_avx512(what: &str) -> bool {
+        let here = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq");
+        if !here {
+            eprintln!("note: no AVX-512F/DQ on this machine; {what} not exercised");
+        }
+        here
+    }
 
     /// `P·V` on f32 V rows read in place (`vps = NR`, any row stride: the rows' own width,
     /// wider, or 0 for a broadcast row) gives the bits of the same product on the packed
@@ -693,8 +703,7 @@ mod tests {
     /// the driver reads in place.
     #[test]
     fn pv_reads_v_rows_in_place_as_packed() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
-            eprintln!("note: no AVX-512F/DQ on this machine; in-place V not exercised");
+        if !have_avx512("in-place V") {
             return;
         }
         let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
@@ -802,8 +811,7 @@ mod tests {
     /// got them).
     #[test]
     fn tile_loops_match_scalar_fmas() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
-            eprintln!("note: no AVX-512F/DQ on this machine; the AVX-512 tiles not exercised");
+        if !have_avx512("the AVX-512 tiles") {
             return;
         }
         let mut rnd = uniform(4242, 1.0);
@@ -816,18 +824,7 @@ mod tests {
                     let mut s = vec![f32::NAN; rows * lds];
                     // SAFETY: AVX-512F detected above; shapes as the kernel requires.
                     unsafe { qk(&q, rows, e, &kp, npanels, &mut s, lds) };
-                    for r in 0..rows {
-                        for j in 0..npanels * NR {
-                            let (pn, c) = (j / NR, j % NR);
-                            let want =
-                                (0..e).fold(0f32, |a, x| q[r * e + x].mul_add(kp[(pn * e + x) * NR + c], a));
-                            assert_eq!(
-                                s[r * lds + j],
-                                want,
-                                "qk rows {rows} e {e} panels {npanels} row {r} key {j}"
-                            );
-                        }
-                    }
+                    reference::assert_qk(&q, (rows, e), &kp, npanels, &s, lds);
                 }
             }
             for nk in [0, 1, 2, 3, 4, 5, 6, 31, 64] {
@@ -842,23 +839,7 @@ mod tests {
                     let mut o = o0.clone();
                     // SAFETY: AVX-512F detected above; shapes as the kernel requires.
                     unsafe { pv(&p, rows, rows, nk, &vp, vps, ldv, nvp, &mut o, ldo, &alpha) };
-                    for r in 0..rows {
-                        for c in 0..nvp * NR {
-                            let (n, cc) = (c / NR, c % NR);
-                            let a0 = alpha[r] * o0[r * ldo + c];
-                            let want =
-                                (0..nk).fold(a0, |a, j| p[r * BK + j].mul_add(vp[n * vps + j * ldv + cc], a));
-                            assert_eq!(
-                                o[r * ldo + c],
-                                want,
-                                "pv rows {rows} nk {nk} vps {vps} row {r} col {c}"
-                            );
-                        }
-                        assert_eq!(
-                            o[r * ldo + nvp * NR..(r + 1) * ldo],
-                            o0[r * ldo + nvp * NR..(r + 1) * ldo]
-                        );
-                    }
+                    reference::assert_pv(&p, (rows, nk), &vp, (vps, ldv, nvp), &alpha, &o0, &o, ldo);
                 }
             }
         }
@@ -872,8 +853,7 @@ mod tests {
     /// padding rows' lanes are not touched.
     #[test]
     fn qk_softmax_keeps_each_rows_sum_in_lanes() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
-            eprintln!("note: no AVX-512F/DQ on this machine; the fused softmax not exercised");
+        if !have_avx512("the fused softmax") {
             return;
         }
         let mut rnd = uniform(99, 1.7);
