@@ -4,7 +4,7 @@
 //! NEON is part of the AArch64 baseline, so no runtime detection beyond
 //! `is_aarch64_feature_detected!("neon")` is needed.
 
-use super::tiles::{BK, NR};
+use super::tiles::{assert_pv_operands, assert_qk_operands, BK, NR};
 use std::arch::aarch64::*;
 
 /// Rows per register tile.
@@ -23,9 +23,7 @@ pub(super) unsafe fn qk(
     s: &mut [f32],
     lds: usize,
 ) {
-    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR);
-    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
-    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
+    assert_qk_operands(q, (rows, e), kp, npanels, s, lds);
     // SAFETY: bounds asserted above; NEON guaranteed by the caller.
     unsafe { qk_impl(q.as_ptr(), rows, e, kp.as_ptr(), npanels, s.as_mut_ptr(), lds) }
 }
@@ -86,10 +84,7 @@ pub(super) unsafe fn pv(
     ldo: usize,
     alpha: &[f32],
 ) {
-    assert!(rows.is_multiple_of(MR) && BK >= nk && ldo >= nvp * NR && alpha.len() >= rows);
-    assert!(p.len() >= rows * BK);
-    assert!(nvp == 0 || nk == 0 || vp.len() >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
-    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
+    assert_pv_operands(p, (rows, BK), &[(vp, nk)], (vps, ldv, nvp), o, ldo, alpha);
     // SAFETY: bounds asserted above; NEON guaranteed by the caller.
     unsafe {
         pv_impl(

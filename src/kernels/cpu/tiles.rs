@@ -1,5 +1,6 @@
 //! The geometry that the packed layouts and the register-tiled kernels share: panel
-//! width, keys per block, rows per tile, and the operand check of the projection tiles.
+//! width, keys per block, rows per tile, and the operand checks of the block products'
+//! and the projection's register tiles.
 
 /// Lane count of a packed panel (two AVX2 registers, four NEON registers).
 pub(crate) const NR: usize = 16;
@@ -32,6 +33,52 @@ pub(crate) const BK: usize = 64;
 /// Rows of a register tile. The portable and NEON score kernels take Q strip-packed
 /// as `[rows / MR][k][MR]`; the AVX-512 and AVX2 ones take it row-major.
 pub(crate) const MR: usize = 6;
+
+/// Asserts the operand bounds of a register-tiled score product `s = Q·Kᵀ` (`qk` of
+/// the AVX-512, AVX2 and NEON kernels): `rows` Q rows (a multiple of [`MR`]) of `e`
+/// elements, `npanels` K panels of `e × NR`, and `rows` score rows of stride
+/// `lds ≥ npanels·NR`. The kernels' pointer arithmetic relies on exactly these bounds.
+#[inline]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) fn assert_qk_operands(
+    q: &[f32],
+    (rows, e): (usize, usize),
+    kp: &[f32],
+    npanels: usize,
+    s: &[f32],
+    lds: usize,
+) {
+    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR);
+    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
+    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
+}
+
+/// Asserts the operand bounds of a register-tiled `O = α·O + P·V` (`pv` of the AVX-512,
+/// AVX2 and NEON kernels, and AVX-512's `pv_pair`): `rows` P rows (a multiple of [`MR`])
+/// of stride `ldp`, each run of V (its operand and key count, at most [`BK`] keys) read
+/// as `nvp` panels of panel stride `vps` and row stride `ldv`, `rows` output rows of
+/// stride `ldo ≥ nvp·NR`, and `rows` rescale factors. The kernels' pointer arithmetic
+/// relies on exactly these bounds.
+#[inline]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn assert_pv_operands(
+    p: &[f32],
+    (rows, ldp): (usize, usize),
+    runs: &[(&[f32], usize)],
+    (vps, ldv, nvp): (usize, usize, usize),
+    o: &[f32],
+    ldo: usize,
+    alpha: &[f32],
+) {
+    assert!(rows.is_multiple_of(MR) && ldo >= nvp * NR && alpha.len() >= rows);
+    assert!(p.len() >= rows * ldp);
+    for &(v, nk) in runs {
+        assert!(nk <= BK);
+        assert!(nvp == 0 || nk == 0 || v.len() >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
+    }
+    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
+}
 
 /// Scalar references for the register tiles' tests: the same fused multiply-adds in the
 /// same order, so that a tile must match them bit for bit.
@@ -94,5 +141,139 @@ pub(crate) mod reference {
                 o0[r * ldo + nvp * NR..(r + 1) * ldo]
             );
         }
+    }
+}
+
+#[cfg(all(test, any(target_arch = "x86_64", target_arch = "aarch64")))]
+mod tests {
+    use super::*;
+
+    fn panics(f: impl FnOnce() + std::panic::UnwindSafe) -> bool {
+        std::panic::catch_unwind(f).is_err()
+    }
+
+    /// Operands that fit exactly pass, and each one element too short (or a count out of
+    /// range) is refused: the unsafe kernels behind these checks index by pointer.
+    #[test]
+    fn block_product_checks_refuse_every_short_operand() {
+        let (rows, e, np, lds) = (2 * MR, 5, 3, 3 * NR + 2);
+        let (q, kp) = (vec![0f32; rows * e], vec![0f32; np * e * NR]);
+        let s = vec![0f32; (rows - 1) * lds + np * NR];
+        assert_qk_operands(&q, (rows, e), &kp, np, &s, lds);
+        assert!(panics(|| assert_qk_operands(
+            &q[1..],
+            (rows, e),
+            &kp,
+            np,
+            &s,
+            lds
+        )));
+        assert!(panics(|| assert_qk_operands(
+            &q,
+            (rows, e),
+            &kp[1..],
+            np,
+            &s,
+            lds
+        )));
+        assert!(panics(|| assert_qk_operands(
+            &q,
+            (rows, e),
+            &kp,
+            np,
+            &s[1..],
+            lds
+        )));
+        assert!(panics(|| assert_qk_operands(
+            &q,
+            (rows, e),
+            &kp,
+            np,
+            &s,
+            np * NR - 1
+        )));
+        assert!(panics(|| assert_qk_operands(&q, (rows - 1, e), &kp, np, &s, lds)));
+
+        let (nk, vps, ldv, nvp, ldo, ldp) = (BK - 3, BK * NR, NR, 2, 2 * NR + 1, BK);
+        let p = vec![0f32; rows * ldp];
+        let v = vec![0f32; (nvp - 1) * vps + (nk - 1) * ldv + NR];
+        let o = vec![0f32; (rows - 1) * ldo + nvp * NR];
+        let alpha = vec![1f32; rows];
+        let geo = (vps, ldv, nvp);
+        // Room for BK + 1 keys, so that only the key count is out of range below.
+        let vbig = vec![0f32; (nvp - 1) * vps + BK * ldv + NR];
+        assert_pv_operands(&p, (rows, ldp), &[(&v, nk), (&v, 0)], geo, &o, ldo, &alpha);
+        assert!(panics(|| assert_pv_operands(
+            &p[1..],
+            (rows, ldp),
+            &[(&v, nk)],
+            geo,
+            &o,
+            ldo,
+            &alpha
+        )));
+        assert!(panics(|| assert_pv_operands(
+            &p,
+            (rows, ldp),
+            &[(&v[1..], nk)],
+            geo,
+            &o,
+            ldo,
+            &alpha
+        )));
+        assert!(panics(|| assert_pv_operands(
+            &p,
+            (rows, ldp),
+            &[(&v, nk), (&v[1..], nk)],
+            geo,
+            &o,
+            ldo,
+            &alpha
+        )));
+        assert!(panics(|| assert_pv_operands(
+            &p,
+            (rows, ldp),
+            &[(&vbig, BK + 1)],
+            geo,
+            &o,
+            ldo,
+            &alpha
+        )));
+        assert!(panics(|| assert_pv_operands(
+            &p,
+            (rows, ldp),
+            &[(&v, nk)],
+            geo,
+            &o[1..],
+            ldo,
+            &alpha
+        )));
+        assert!(panics(|| assert_pv_operands(
+            &p,
+            (rows, ldp),
+            &[(&v, nk)],
+            geo,
+            &o,
+            nvp * NR - 1,
+            &alpha
+        )));
+        assert!(panics(|| assert_pv_operands(
+            &p,
+            (rows, ldp),
+            &[(&v, nk)],
+            geo,
+            &o,
+            ldo,
+            &alpha[1..]
+        )));
+        assert!(panics(|| assert_pv_operands(
+            &p,
+            (rows - 1, ldp),
+            &[(&v, nk)],
+            geo,
+            &o,
+            ldo,
+            &alpha
+        )));
     }
 }

@@ -17,7 +17,7 @@
 
 use super::exp::avx2::{exp2_256, exp2_256_nonpos, exp2_256_nonpos_n};
 use super::prefetch::{prefetch_bytes, PF_KEYS};
-use super::tiles::{BK, NR};
+use super::tiles::{assert_pv_operands, assert_qk_operands, BK, NR};
 use super::view::Data;
 use std::arch::x86_64::*;
 

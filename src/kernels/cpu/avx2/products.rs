@@ -55,9 +55,7 @@ unsafe fn qk_checked<const MAX: bool>(
     lds: usize,
     mx: &mut [f32],
 ) {
-    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR);
-    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
-    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
+    assert_qk_operands(q, (rows, e), kp, npanels, s, lds);
     assert!(!MAX || (npanels >= 1 && mx.len() >= rows * 8));
     // SAFETY: bounds asserted above (`mx` is only written with `MAX`); features
     // guaranteed by the caller.
@@ -259,10 +257,7 @@ pub(in crate::kernels::cpu) unsafe fn pv(
     ldo: usize,
     alpha: &[f32],
 ) {
-    assert!(rows.is_multiple_of(MR) && BK >= nk && ldo >= nvp * NR && alpha.len() >= rows);
-    assert!(p.len() >= rows * BK);
-    assert!(nvp == 0 || nk == 0 || vp.len() >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
-    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
+    assert_pv_operands(p, (rows, BK), &[(vp, nk)], (vps, ldv, nvp), o, ldo, alpha);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         pv_impl(

@@ -19,9 +19,7 @@ pub(in crate::kernels::cpu) unsafe fn qk(
     s: &mut [f32],
     lds: usize,
 ) {
-    assert!(rows.is_multiple_of(MR) && lds >= npanels * NR);
-    assert!(q.len() >= rows * e && kp.len() >= npanels * e * NR);
-    assert!(rows == 0 || s.len() >= (rows - 1) * lds + npanels * NR);
+    assert_qk_operands(q, (rows, e), kp, npanels, s, lds);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe { qk_impl(q.as_ptr(), rows, e, kp.as_ptr(), npanels, s.as_mut_ptr(), lds) }
 }
@@ -46,9 +44,8 @@ pub(in crate::kernels::cpu) unsafe fn qk_softmax(
     lds: usize,
     (m, l16, alpha): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
-    assert!(rows.is_multiple_of(MR) && live <= rows && lds >= BK && BK == 4 * NR);
-    assert!(q.len() >= rows * e && kp.len() >= BK * e);
-    assert!(rows == 0 || s.len() >= (rows - 1) * lds + BK);
+    assert!(live <= rows && BK == 4 * NR);
+    assert_qk_operands(q, (rows, e), kp, BK / NR, s, lds);
     assert!(m.len() >= live && l16.len() >= 16 * live && alpha.len() >= live);
     let (qp, kpp, sp) = (q.as_ptr(), kp.as_ptr(), s.as_mut_ptr());
     for st in 0..rows / MR {
@@ -428,10 +425,7 @@ pub(in crate::kernels::cpu) unsafe fn pv(
     ldo: usize,
     alpha: &[f32],
 ) {
-    assert!(rows.is_multiple_of(MR) && BK >= nk && ldo >= nvp * NR && alpha.len() >= rows);
-    assert!(p.len() >= rows * BK);
-    assert!(nvp == 0 || nk == 0 || vp.len() >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
-    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
+    assert_pv_operands(p, (rows, BK), &[(vp, nk)], (vps, ldv, nvp), o, ldo, alpha);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         let src = PvSrc {
@@ -467,12 +461,16 @@ pub(in crate::kernels::cpu) unsafe fn pv_pair(
     alpha: &[f32],
 ) {
     let ldp = 2 * BK;
-    assert!(rows.is_multiple_of(MR) && BK >= nk0 && BK >= nk1 && (nk1 == 0 || nk0 == BK));
-    assert!(ldo >= nvp * NR && alpha.len() >= rows && p.len() >= rows * ldp);
-    for (v, nk) in [(v0, nk0), (v1, nk1)] {
-        assert!(nvp == 0 || nk == 0 || v.len() >= (nvp - 1) * vps + (nk - 1) * ldv + NR);
-    }
-    assert!(rows == 0 || o.len() >= (rows - 1) * ldo + nvp * NR);
+    assert!(nk1 == 0 || nk0 == BK);
+    assert_pv_operands(
+        p,
+        (rows, ldp),
+        &[(v0, nk0), (v1, nk1)],
+        (vps, ldv, nvp),
+        o,
+        ldo,
+        alpha,
+    );
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         let src = PvSrc {
