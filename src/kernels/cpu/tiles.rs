@@ -61,7 +61,6 @@ pub(crate) fn assert_qk_operands(
 /// relies on exactly these bounds.
 #[inline]
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn assert_pv_operands(
     p: &[f32],
     (rows, ldp): (usize, usize),
@@ -148,132 +147,49 @@ pub(crate) mod reference {
 mod tests {
     use super::*;
 
-    fn panics(f: impl FnOnce() + std::panic::UnwindSafe) -> bool {
-        std::panic::catch_unwind(f).is_err()
-    }
-
     /// Operands that fit exactly pass, and each one element too short (or a count out of
     /// range) is refused: the unsafe kernels behind these checks index by pointer.
     #[test]
     fn block_product_checks_refuse_every_short_operand() {
+        let refused = |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+
         let (rows, e, np, lds) = (2 * MR, 5, 3, 3 * NR + 2);
         let (q, kp) = (vec![0f32; rows * e], vec![0f32; np * e * NR]);
         let s = vec![0f32; (rows - 1) * lds + np * NR];
-        assert_qk_operands(&q, (rows, e), &kp, np, &s, lds);
-        assert!(panics(|| assert_qk_operands(
-            &q[1..],
-            (rows, e),
-            &kp,
-            np,
-            &s,
-            lds
-        )));
-        assert!(panics(|| assert_qk_operands(
-            &q,
-            (rows, e),
-            &kp[1..],
-            np,
-            &s,
-            lds
-        )));
-        assert!(panics(|| assert_qk_operands(
-            &q,
-            (rows, e),
-            &kp,
-            np,
-            &s[1..],
-            lds
-        )));
-        assert!(panics(|| assert_qk_operands(
-            &q,
-            (rows, e),
-            &kp,
-            np,
-            &s,
-            np * NR - 1
-        )));
-        assert!(panics(|| assert_qk_operands(&q, (rows - 1, e), &kp, np, &s, lds)));
+        let qk =
+            |q: &[f32], rows, kp: &[f32], s: &[f32], lds| assert_qk_operands(q, (rows, e), kp, np, s, lds);
+        qk(&q, rows, &kp, &s, lds);
+        assert!(refused(&|| qk(&q[1..], rows, &kp, &s, lds)));
+        assert!(refused(&|| qk(&q, rows, &kp[1..], &s, lds)));
+        assert!(refused(&|| qk(&q, rows, &kp, &s[1..], lds)));
+        assert!(refused(&|| qk(&q, rows, &kp, &s, np * NR - 1)));
+        assert!(refused(&|| qk(&q, rows - 1, &kp, &s, lds)));
 
         let (nk, vps, ldv, nvp, ldo, ldp) = (BK - 3, BK * NR, NR, 2, 2 * NR + 1, BK);
         let p = vec![0f32; rows * ldp];
         let v = vec![0f32; (nvp - 1) * vps + (nk - 1) * ldv + NR];
-        let o = vec![0f32; (rows - 1) * ldo + nvp * NR];
-        let alpha = vec![1f32; rows];
-        let geo = (vps, ldv, nvp);
         // Room for BK + 1 keys, so that only the key count is out of range below.
         let vbig = vec![0f32; (nvp - 1) * vps + BK * ldv + NR];
-        assert_pv_operands(&p, (rows, ldp), &[(&v, nk), (&v, 0)], geo, &o, ldo, &alpha);
-        assert!(panics(|| assert_pv_operands(
-            &p[1..],
-            (rows, ldp),
-            &[(&v, nk)],
-            geo,
-            &o,
-            ldo,
-            &alpha
-        )));
-        assert!(panics(|| assert_pv_operands(
+        let o = vec![0f32; (rows - 1) * ldo + nvp * NR];
+        let alpha = vec![1f32; rows];
+        let pv = |p: &[f32], rows, runs: &[(&[f32], usize)], o: &[f32], ldo, alpha: &[f32]| {
+            assert_pv_operands(p, (rows, ldp), runs, (vps, ldv, nvp), o, ldo, alpha)
+        };
+        pv(&p, rows, &[(&v, nk), (&v, 0)], &o, ldo, &alpha);
+        assert!(refused(&|| pv(&p[1..], rows, &[(&v, nk)], &o, ldo, &alpha)));
+        assert!(refused(&|| pv(&p, rows, &[(&v[1..], nk)], &o, ldo, &alpha)));
+        assert!(refused(&|| pv(
             &p,
-            (rows, ldp),
-            &[(&v[1..], nk)],
-            geo,
-            &o,
-            ldo,
-            &alpha
-        )));
-        assert!(panics(|| assert_pv_operands(
-            &p,
-            (rows, ldp),
+            rows,
             &[(&v, nk), (&v[1..], nk)],
-            geo,
             &o,
             ldo,
             &alpha
         )));
-        assert!(panics(|| assert_pv_operands(
-            &p,
-            (rows, ldp),
-            &[(&vbig, BK + 1)],
-            geo,
-            &o,
-            ldo,
-            &alpha
-        )));
-        assert!(panics(|| assert_pv_operands(
-            &p,
-            (rows, ldp),
-            &[(&v, nk)],
-            geo,
-            &o[1..],
-            ldo,
-            &alpha
-        )));
-        assert!(panics(|| assert_pv_operands(
-            &p,
-            (rows, ldp),
-            &[(&v, nk)],
-            geo,
-            &o,
-            nvp * NR - 1,
-            &alpha
-        )));
-        assert!(panics(|| assert_pv_operands(
-            &p,
-            (rows, ldp),
-            &[(&v, nk)],
-            geo,
-            &o,
-            ldo,
-            &alpha[1..]
-        )));
-        assert!(panics(|| assert_pv_operands(
-            &p,
-            (rows - 1, ldp),
-            &[(&v, nk)],
-            geo,
-            &o,
-            ldo,
-            &alpha
-        )));
+        assert!(refused(&|| pv(&p, rows, &[(&vbig, BK + 1)], &o, ldo, &alpha)));
+        assert!(refused(&|| pv(&p, rows, &[(&v, nk)], &o[1..], ldo, &alpha)));
+        assert!(refused(&|| pv(&p, rows, &[(&v, nk)], &o, nvp * NR - 1, &alpha)));
+        assert!(refused(&|| pv(&p, rows, &[(&v, nk)], &o, ldo, &alpha[1..])));
+        assert!(refused(&|| pv(&p, rows - 1, &[(&v, nk)], &o, ldo, &alpha)));
     }
 }
