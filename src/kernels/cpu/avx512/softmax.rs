@@ -197,6 +197,57 @@ pub(super) unsafe fn softmax_regs<const NC: usize>(
     p
 }
 
+/// [`softmax_regs`] for a full block's row of scores that come already shifted by the
+/// row's running maximum, `v = s − m` (`m` finite: the score tile started its
+/// accumulators at `−m`, see [`super::qk_softmax`]), which saves the subtraction per 16
+/// scores and the one of the lazy check. Returns the probabilities and updates `m`, the
+/// 16 partial sums at `l16` and `alpha` as [`softmax_regs`] does: `p = 2^v` with
+/// `alpha = 1` unless a score exceeds `m` by more than [`LAZY_RESCALE_LOG2`], and then
+/// `m` moves to the row's maximum and the block is taken against it. The maximum is
+/// taken as [`softmax_regs`] takes it, so NaN scores meet it in the same order.
+///
+/// # Safety
+/// AVX-512F and AVX512DQ must be available; `l16` points to 16 floats, read and
+/// written.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq")]
+pub(super) unsafe fn softmax_regs_shifted(
+    v: [__m512; 4],
+    (m, l16, alpha): (&mut f32, *mut f32, &mut f32),
+) -> [__m512; 4] {
+    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+    for &vc in &v {
+        mx = _mm512_max_ps(mx, vc);
+    }
+    let mut sum = _mm512_setzero_ps();
+    if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(mx, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
+        let p = v.map(|vc| {
+            let pc = exp2_512(vc);
+            sum = _mm512_add_ps(sum, pc);
+            pc
+        });
+        _mm512_storeu_ps(l16, _mm512_add_ps(_mm512_loadu_ps(l16), sum));
+        *alpha = 1.0;
+        return p;
+    }
+    // The row's maximum ran ahead of the reference: rescale to it (`m + bm`).
+    let bm = _mm512_reduce_max_ps(mx);
+    let al = _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(-bm)));
+    let bv = _mm512_set1_ps(bm);
+    let p = v.map(|vc| {
+        let pc = exp2_512(_mm512_sub_ps(vc, bv));
+        sum = _mm512_add_ps(sum, pc);
+        pc
+    });
+    _mm512_storeu_ps(
+        l16,
+        _mm512_fmadd_ps(_mm512_loadu_ps(l16), _mm512_set1_ps(al), sum),
+    );
+    *m += bm;
+    *alpha = al;
+    p
+}
+
 /// Lane mask of the lanes of the 16-key chunk starting at `x0` that are visible in `[a, z)`.
 #[inline]
 fn chunk_mask(x0: usize, (a, z): (usize, usize)) -> __mmask16 {
