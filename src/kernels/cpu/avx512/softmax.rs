@@ -181,10 +181,26 @@ pub(super) unsafe fn softmax_regs<const NC: usize>(
         let bm = _mm512_reduce_max_ps(mx);
         (bm, _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(m_old - bm))))
     };
-    let mv = _mm512_set1_ps(m_new);
+    let p = exp_and_sum(v, m_new, al, l16);
+    *m = m_new;
+    *alpha = al;
+    p
+}
+
+/// `p = 2^(v − r)` for each chunk of a row, and the row's 16 lane-wise partial sums
+/// `l16 ← al·l16 + Σ p`: the rows of [`softmax_regs`], and the rescaled ones of
+/// [`softmax_regs_shifted`].
+///
+/// # Safety
+/// AVX-512F and AVX512DQ must be available; `l16` points to 16 floats, read and
+/// written.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq")]
+unsafe fn exp_and_sum<const NC: usize>(v: [__m512; NC], r: f32, al: f32, l16: *mut f32) -> [__m512; NC] {
+    let rv = _mm512_set1_ps(r);
     let mut sum = _mm512_setzero_ps();
     let p = v.map(|vc| {
-        let pc = exp2_512(_mm512_sub_ps(vc, mv));
+        let pc = exp2_512(_mm512_sub_ps(vc, rv));
         sum = _mm512_add_ps(sum, pc);
         pc
     });
@@ -192,8 +208,6 @@ pub(super) unsafe fn softmax_regs<const NC: usize>(
         l16,
         _mm512_fmadd_ps(_mm512_loadu_ps(l16), _mm512_set1_ps(al), sum),
     );
-    *m = m_new;
-    *alpha = al;
     p
 }
 
@@ -219,8 +233,8 @@ pub(super) unsafe fn softmax_regs_shifted(
     for &vc in &v {
         mx = _mm512_max_ps(mx, vc);
     }
-    let mut sum = _mm512_setzero_ps();
     if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(mx, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
+        let mut sum = _mm512_setzero_ps();
         let p = v.map(|vc| {
             let pc = exp2_512(vc);
             sum = _mm512_add_ps(sum, pc);
@@ -233,16 +247,7 @@ pub(super) unsafe fn softmax_regs_shifted(
     // The row's maximum ran ahead of the reference: rescale to it (`m + bm`).
     let bm = _mm512_reduce_max_ps(mx);
     let al = _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(-bm)));
-    let bv = _mm512_set1_ps(bm);
-    let p = v.map(|vc| {
-        let pc = exp2_512(_mm512_sub_ps(vc, bv));
-        sum = _mm512_add_ps(sum, pc);
-        pc
-    });
-    _mm512_storeu_ps(
-        l16,
-        _mm512_fmadd_ps(_mm512_loadu_ps(l16), _mm512_set1_ps(al), sum),
-    );
+    let p = exp_and_sum(v, bm, al, l16);
     *m += bm;
     *alpha = al;
     p
