@@ -278,3 +278,124 @@ fn huge_scores_give_the_reference_one_hot_softmax() -> Result<()> {
     }
     Ok(())
 }
+
+/// A NaN key hides only itself, on every instruction set and in every dtype: with one
+/// key of NaNs and one key whose scores run 130 or 577 ahead of the others (in the log2
+/// domain the kernels work in), each row that sees the large key is that key's
+/// value row, as the reference path gives it with the NaN key masked out. The two keys
+/// share a lane of one block (16 or 32 keys apart, in both orders), sit in the first
+/// block or a later one, or in one 16-key chunk; the shapes take the whole-block
+/// softmax in registers, a block's tail, the causal edge blocks and decode, with and
+/// without a mask that hides the first 16 keys. The lane-wise maxima of the AVX-512
+/// and AVX2 f32 softmax let a NaN in one vector of a row replace the lane's score in
+/// another, so the large key went through the exponential unseen: on AVX-512 it
+/// overflowed and made the row NaN, on AVX2 its exponent wrapped and the row came out
+/// as some other mix of values (`avx512::softmax_regs`, `avx2::online_rows_block`,
+/// `avx2::qk_max`).
+#[test]
+fn a_nan_key_hides_only_itself() -> Result<()> {
+    let dev = Device::Cpu;
+    let d = 16;
+    let isas: Vec<kcpu::Isa> = [
+        kcpu::Isa::Portable,
+        kcpu::Isa::Neon,
+        kcpu::Isa::Avx2Fma,
+        kcpu::Isa::Avx512,
+    ]
+    .into_iter()
+    .filter(|i| i.is_supported())
+    .collect();
+    // (L, S, top-left causal)
+    let shapes = [
+        (64, 256, false),
+        (100, 200, false),
+        (256, 256, true),
+        (1, 256, false),
+        (4, 256, false),
+    ];
+    let pairs = [
+        (104, 120),
+        (120, 104),
+        (104, 88),
+        (40, 56),
+        (56, 40),
+        (8, 40),
+        (40, 8),
+        (1, 17),
+        (3, 9),
+        (200, 232),
+        (232, 248),
+        (20, 0),
+        (20, 5),
+        (40, 15),
+        (5, 0),
+        (0, 5),
+        (70, 64),
+        (64, 79),
+        (82, 90),
+        (90, 82),
+        (2, 10),
+        (10, 2),
+    ];
+    // The large key's scores run about 130 or 577 ahead (log2), so that an exponential
+    // that overflows or wraps gives it a weight of inf, NaN or about 0.
+    let cases = shapes
+        .into_iter()
+        .flat_map(|sh| [22.6f32, 100.0].map(|big_k| (sh, big_k)));
+    for ((l, s, causal), big_k) in cases {
+        for (big, nan) in pairs.into_iter().filter(|&(b, n)| b < s && n < s) {
+            let mut kv = vec![0.01f32; s * d];
+            kv[big * d..(big + 1) * d].fill(big_k);
+            kv[nan * d..(nan + 1) * d].fill(f32::NAN);
+            let k = Tensor::from_vec(kv.clone(), (1, 1, s, d), &dev)?;
+            kv[nan * d..(nan + 1) * d].fill(0.0);
+            let k_clean = Tensor::from_vec(kv, (1, 1, s, d), &dev)?;
+            let v = Tensor::arange(0u32, s as u32, &dev)?
+                .to_dtype(DType::F32)?
+                .reshape((1, 1, s, 1))?
+                .broadcast_as((1, 1, s, d))?
+                .contiguous()?;
+            let q = Tensor::ones((1, 1, l, d), DType::F32, &dev)?;
+            // Without a mask, and with an additive one that hides the first 16 keys, so
+            // that a row's first chunk holds no finite score.
+            for hide in [0, 16] {
+                let keep: Vec<u8> = (0..s).map(|j| (j != nan && j >= hide) as u8).collect();
+                let keep = Tensor::from_vec(keep, (1, 1, 1, s), &dev)?;
+                let mut opts = SdpaOptions::new()
+                    .with_mask(AttnMask::keep(&keep)?)
+                    .with_backend(Backend::Reference);
+                if causal {
+                    opts = opts.with_causal(true);
+                }
+                let want = scaled_dot_product_attention(&q, &k_clean, &v, &opts)?.output;
+                let mask: Vec<f32> = (0..s)
+                    .map(|j| if j < hide { f32::NEG_INFINITY } else { 0.0 })
+                    .collect();
+                let mask = (hide > 0)
+                    .then(|| Tensor::from_vec(mask, (1, 1, 1, s), &dev))
+                    .transpose()?;
+                let causal = causal.then_some(kcpu::Causal {
+                    offset: 0,
+                    window: None,
+                });
+                for dt in [DType::F32, DType::BF16, DType::F16] {
+                    let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+                    for &isa in &isas {
+                        let scale = 1.0 / (d as f32).sqrt();
+                        let got = kcpu::sdpa_with_isa(&q, &k, &v, mask.as_ref(), causal, scale, isa)?
+                            .to_dtype(DType::F32)?;
+                        let diff = max_diff(&got, &want)?;
+                        // Each row is one value row, an integer below 256 (or 0 where no
+                        // key is visible); bf16 rounds those above 128 to even numbers.
+                        assert!(
+                            diff <= 1.0,
+                            "{isa:?} {dt:?} L {l} S {s} causal {causal:?} first {hide} keys hidden, \
+                             large key {big} ({big_k}), NaN key {nan}: off by {diff}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -101,12 +101,13 @@ unsafe fn qk_impl<const MAX: bool>(
             if MAX {
                 let mp = mx.add(strip * MR * 8);
                 for r in 0..MR {
-                    let v = _mm256_max_ps(acc[2 * r], acc[2 * r + 1]);
-                    let v = if p == 0 {
-                        v
+                    let prev = if p == 0 {
+                        _mm256_set1_ps(f32::NEG_INFINITY)
                     } else {
-                        _mm256_max_ps(v, _mm256_loadu_ps(mp.add(r * 8)))
+                        _mm256_loadu_ps(mp.add(r * 8))
                     };
+                    // `max(x, m)` skips NaN scores (see `online_rows_block`).
+                    let v = _mm256_max_ps(acc[2 * r + 1], _mm256_max_ps(acc[2 * r], prev));
                     _mm256_storeu_ps(mp.add(r * 8), v);
                 }
             }

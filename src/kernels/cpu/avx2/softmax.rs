@@ -183,18 +183,16 @@ unsafe fn online_rows_block_inner<const PRE: bool, const V: usize>(
         let mx = if PRE {
             _mm256_loadu_ps(pre.add(r * 8))
         } else {
-            // The tree of a full block's eight vectors, with −inf for those not read:
-            // `max` with a NaN returns its second operand, so the tree's shape decides
-            // what a NaN score does to the maximum, and a block's tail keeps the
-            // maximum (and so the rounding) it had when all eight vectors were read.
-            let xr = load_row_ranged::<V>(s.add(r * lds), range(r));
-            let mut x = [_mm256_set1_ps(f32::NEG_INFINITY); BK / 8];
-            x[..V].copy_from_slice(&xr);
-            let mut t = [_mm256_setzero_ps(); BK / 16];
-            for (i, ti) in t.iter_mut().enumerate() {
-                *ti = _mm256_max_ps(x[2 * i], x[2 * i + 1]);
+            // Two running maxima over the row's vectors, each `max(x, m)`: `max` returns
+            // its second operand where the first is NaN, so NaN scores are skipped and
+            // a NaN key hides only itself. (A tree of `max(x[2i], x[2i + 1])` let a
+            // NaN in one vector replace the lane's score in the other.)
+            let x = load_row_ranged::<V>(s.add(r * lds), range(r));
+            let mut t = [_mm256_set1_ps(f32::NEG_INFINITY); 2];
+            for (i, &xi) in x.iter().enumerate() {
+                t[i % 2] = _mm256_max_ps(xi, t[i % 2]);
             }
-            _mm256_max_ps(_mm256_max_ps(t[0], t[1]), _mm256_max_ps(t[2], t[3]))
+            _mm256_max_ps(t[0], t[1])
         };
         let m_old = m[r];
         let m_new = _mm_cvtss_f32(_mm256_castps256_ps128(_mm256_max_ps(

@@ -78,13 +78,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_softmax(
                 }
             } else if r < live {
                 // SAFETY: as above.
-                unsafe {
-                    softmax_regs(
-                        *row,
-                        false,
-                        (&mut m[r], l16.as_mut_ptr().add(16 * r), &mut alpha[r]),
-                    )
-                }
+                unsafe { softmax_regs(*row, (&mut m[r], l16.as_mut_ptr().add(16 * r), &mut alpha[r])) }
             } else {
                 *row
             };

@@ -98,8 +98,8 @@ pub(crate) unsafe fn store_components(v: __m512, hi: *mut u16, lo: *mut u16) {
 /// 16 keys, `16·NC ≥ nk`), so no pass over memory finds the maximum and a row whose
 /// maximum stays within the bound needs no horizontal maximum at all. The caller picks
 /// the fewest chunks that hold `nk` keys: a block's tail of up to 16 keys takes one.
-/// The maximum is then taken as over 4 chunks (`NC ≤ 4`) or 8, the rest −inf, as it was
-/// when every call read that many (see [`softmax_regs`]).
+/// The maximum skips NaN scores (see [`softmax_regs`]), so the chunks of −inf that a
+/// tail leaves out would not change it.
 ///
 /// # Safety
 /// AVX-512F and AVX512DQ must be available; `s` holds `n` rows of stride `lds ≥ nk`;
@@ -123,11 +123,7 @@ pub(in crate::kernels::cpu) unsafe fn online_rows_lazy<const NC: usize>(
         for (c, vc) in v.iter_mut().enumerate() {
             *vc = _mm512_mask_loadu_ps(ninf, chunk_mask(16 * c, ar), row.add(16 * c));
         }
-        let p = softmax_regs(
-            v,
-            !NC.is_multiple_of(4),
-            (&mut m[r], l16.as_mut_ptr().add(16 * r), &mut alpha[r]),
-        );
+        let p = softmax_regs(v, (&mut m[r], l16.as_mut_ptr().add(16 * r), &mut alpha[r]));
         for (c, (&pc, &sm)) in p.iter().zip(&stores).enumerate() {
             _mm512_mask_storeu_ps(row.add(16 * c), sm, pc);
         }
@@ -139,11 +135,12 @@ pub(in crate::kernels::cpu) unsafe fn online_rows_lazy<const NC: usize>(
 /// returns the probabilities (0 where hidden, all 0 for a row with nothing visible so
 /// far) and updates the row's `m`, its 16 partial sums at `l16` and `alpha`.
 ///
-/// With `hidden_after`, the row's maximum is taken as if more chunks of −inf followed:
-/// `max` with a NaN returns its second operand, so a −inf chunk turns the NaN lanes of
-/// the running maximum into −inf. A block's tail, read in fewer chunks than a full
-/// block, thus keeps the maximum (and so the rounding) that it had when it was read in
-/// as many chunks as a full block, NaN scores included.
+/// The row's maximum skips NaN scores (`max(v, mx)` returns `mx` where `v` is NaN), so
+/// a NaN key hides only itself. Taken the other way round, a NaN in a later chunk
+/// replaced the lane's maximum, so a key in the same lane of an earlier chunk went
+/// through the exponential unseen, and one more than 128 (log2) ahead of the row's
+/// reference overflowed and made the row NaN
+/// (`tests/extremes.rs::a_nan_key_hides_only_itself`).
 ///
 /// # Safety
 /// AVX-512F and AVX512DQ must be available; `l16` points to 16 floats, read and
@@ -152,15 +149,11 @@ pub(in crate::kernels::cpu) unsafe fn online_rows_lazy<const NC: usize>(
 #[target_feature(enable = "avx512f,avx512dq")]
 pub(super) unsafe fn softmax_regs<const NC: usize>(
     v: [__m512; NC],
-    hidden_after: bool,
     (m, l16, alpha): (&mut f32, *mut f32, &mut f32),
 ) -> [__m512; NC] {
     let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
     for &vc in &v {
-        mx = _mm512_max_ps(mx, vc);
-    }
-    if hidden_after {
-        mx = _mm512_max_ps(mx, _mm512_set1_ps(f32::NEG_INFINITY));
+        mx = _mm512_max_ps(vc, mx);
     }
     let m_old = *m;
     let (m_new, al) = if m_old == f32::NEG_INFINITY {
@@ -217,8 +210,8 @@ unsafe fn exp_and_sum<const NC: usize>(v: [__m512; NC], r: f32, al: f32, l16: *m
 /// scores and the one of the lazy check. Returns the probabilities and updates `m`, the
 /// 16 partial sums at `l16` and `alpha` as [`softmax_regs`] does: `p = 2^v` with
 /// `alpha = 1` unless a score exceeds `m` by more than [`LAZY_RESCALE_LOG2`], and then
-/// `m` moves to the row's maximum and the block is taken against it. The maximum is
-/// taken as [`softmax_regs`] takes it, so NaN scores meet it in the same order.
+/// `m` moves to the row's maximum and the block is taken against it. The maximum skips
+/// NaN scores, as in [`softmax_regs`].
 ///
 /// # Safety
 /// AVX-512F and AVX512DQ must be available; `l16` points to 16 floats, read and
@@ -231,7 +224,7 @@ pub(super) unsafe fn softmax_regs_shifted(
 ) -> [__m512; 4] {
     let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
     for &vc in &v {
-        mx = _mm512_max_ps(mx, vc);
+        mx = _mm512_max_ps(vc, mx);
     }
     if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(mx, _mm512_set1_ps(LAZY_RESCALE_LOG2)) == 0 {
         let mut sum = _mm512_setzero_ps();
