@@ -34,6 +34,13 @@ pub(crate) const BK: usize = 64;
 /// as `[rows / MR][k][MR]`; the AVX-512 and AVX2 ones take it row-major.
 pub(crate) const MR: usize = 6;
 
+/// How far (log2) a row's running maximum may fall behind a new block's scores before
+/// the softmax rescales (AMX, and f32 on AVX-512 and AVX2): the lazy rescaling of
+/// FlashAttention-4. Probabilities then stay below 2^8 = 256, far inside the f32 and
+/// bf16 range, and the normalisation by the row sum at the end is unchanged.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // AMX, AVX-512 and AVX2 only
+pub(crate) const LAZY_RESCALE_LOG2: f32 = 8.0;
+
 /// Asserts the operand bounds of a register-tiled score product `s = Q·Kᵀ` (`qk` of
 /// the AVX-512, AVX2 and NEON kernels): `rows` Q rows (a multiple of [`MR`]) of `e`
 /// elements, `npanels` K panels of `e × NR`, and `rows` score rows of stride

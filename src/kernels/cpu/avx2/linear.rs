@@ -143,10 +143,10 @@ unsafe fn gemm_tile<const R: usize>((x, ldx, kc, w, y, ldy, bias, acc_y): GemmAr
     }
     if R == MR {
         // Whole strips take the assembly loop of the block products.
-        let mut a: [__m256; 2 * MR] = std::array::from_fn(|i| acc[i / 2][i % 2]);
+        let a: [__m256; 2 * MR] = std::array::from_fn(|i| acc[i / 2][i % 2]);
         // SAFETY: the caller guarantees `R` rows of `x` (stride `ldx`) with `kc`
         // elements each and a `[kc][NR]` W panel.
-        unsafe { rows_loop_6x16(&mut a, x, ldx * 4, w, kc) };
+        let a = unsafe { rows_loop_6x16(a, x, ldx * 4, w, kc) };
         for (i, v) in a.into_iter().enumerate() {
             acc[i / 2][i % 2] = v;
         }

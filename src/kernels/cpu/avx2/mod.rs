@@ -5,8 +5,8 @@
 //! Every function here is `unsafe` and requires a CPU with AVX2, FMA and F16C; the
 //! dispatcher only selects `Isa::Avx2Fma` after runtime detection.
 //!
-//! - [`products`]: the prefill's two block products, `Q·Kᵀ` (optionally keeping each
-//!   row's maximum) and `P·V`;
+//! - [`products`]: the prefill's two block products, `Q·Kᵀ` (with the lazy online
+//!   softmax on the score tiles in registers, for full blocks) and `P·V`;
 //! - [`softmax`]: the online-softmax updates of a row and of a block's rows;
 //! - [`decode`]: scores and `P·V` of a decode step against K/V rows read in place;
 //! - [`linear`]: the projection product `y = x · Wᵀ (+ b)`;
@@ -17,7 +17,7 @@
 
 use super::exp::avx2::{exp2_256, exp2_256_nonpos, exp2_256_nonpos_n};
 use super::prefetch::{prefetch_bytes, PF_KEYS};
-use super::tiles::{assert_pv_operands, assert_qk_operands, BK, NR};
+use super::tiles::{assert_pv_operands, assert_qk_operands, BK, LAZY_RESCALE_LOG2, NR};
 use super::view::Data;
 use std::arch::x86_64::*;
 
@@ -30,8 +30,8 @@ mod transpose;
 
 pub(super) use decode::{pv_rows, qk_dot};
 pub(crate) use linear::{gemm, GEMM_ROWS};
-pub(super) use products::{pv, qk, qk_max};
-pub(super) use softmax::{online_row, online_rows_block, online_rows_block_premax};
+pub(super) use products::{pv, qk, qk_softmax};
+pub(super) use softmax::{online_row, online_rows_block};
 pub(crate) use store::{store_bf16, store_f16};
 pub(crate) use transpose::transpose8;
 

@@ -167,10 +167,11 @@ unsafe fn load_row_ranged<const V: usize>(row: *const f32, (a, z): (usize, usize
     x
 }
 
-/// `PRE`: the row maxima come from `pre` (see [`online_rows_block_premax`]). `V`: the
+/// `PRE`: the row maxima come from `pre`, 8 lane-wise maxima per row (from the score
+/// tiles of [`super::qk_softmax`] on a row's first block). `V`: the
 /// vectors of 8 keys read per row (`1..=BK / 8`).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn online_rows_block_inner<const PRE: bool, const V: usize>(
+pub(super) unsafe fn online_rows_block_inner<const PRE: bool, const V: usize>(
     s: *mut f32,
     lds: usize,
     n: usize,
@@ -228,33 +229,5 @@ unsafe fn online_rows_block_inner<const PRE: bool, const V: usize>(
             sum[i % 2] = _mm256_add_ps(sum[i % 2], pi);
         }
         l[r] = l[r] * alpha[r] + hsum(_mm256_add_ps(sum[0], sum[1]));
-    }
-}
-
-/// [`online_rows_block`] for `n` rows that each see all [`BK`] keys, with their maxima
-/// already known as 8 lane-wise partial maxima per row (`mx[r·8..r·8 + 8]`, from
-/// [`qk_max`]): the first pass reads those instead of the rows.
-///
-/// # Safety
-/// AVX2 and FMA must be available.
-pub(in crate::kernels::cpu) unsafe fn online_rows_block_premax(
-    s: &mut [f32],
-    lds: usize,
-    n: usize,
-    mx: &[f32],
-    (m, l, alpha): (&mut [f32], &mut [f32], &mut [f32]),
-) {
-    assert!(lds >= BK && m.len() >= n && l.len() >= n && alpha.len() >= n && mx.len() >= n * 8);
-    assert!(n == 0 || s.len() >= (n - 1) * lds + BK);
-    // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe {
-        online_rows_block_inner::<true, { BK / 8 }>(
-            s.as_mut_ptr(),
-            lds,
-            n,
-            |_| (0, BK),
-            mx.as_ptr(),
-            (m, l, alpha),
-        )
     }
 }

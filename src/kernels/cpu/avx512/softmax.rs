@@ -59,12 +59,6 @@ unsafe fn exp2_512_short<const HI_ONLY: bool>(x: __m512, keep: __mmask16) -> __m
     _mm512_maskz_scalef_ps(valid, y, x)
 }
 
-/// How far (log2) a row's running maximum may fall behind a new block's maximum before
-/// the AMX softmax rescales: the lazy rescaling of FlashAttention-4. Probabilities then
-/// stay below 2^8 = 256, far inside the f32 and bf16 range, and the normalisation by the
-/// row sum at the end is unchanged.
-const LAZY_RESCALE_LOG2: f32 = 8.0;
-
 /// Stores 16 floats as bf16 components: `hi = bf16(v)` and, unless `lo` is null,
 /// `lo = bf16(v − hi)` (16 elements each).
 ///

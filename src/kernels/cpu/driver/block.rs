@@ -184,11 +184,8 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         hh,
         ii,
         tmp,
-        mx,
         ..
     } = sc;
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = &mx; // only the AVX2 score kernel keeps row maxima
 
     // The register-tiled score kernels take Q strip-packed, except on AVX-512 and AVX2,
     // whose 6-row tiles broadcast from the row-major rows (`avx512::qk`, `avx2::qk`); the
@@ -379,10 +376,9 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 trimmed |= *v < nk;
             }
         }
-        // A full, wholly visible block with no explicit mask. On AVX-512 its scores go
-        // through the softmax in registers (`avx512::qk_softmax`), so `online_rows` is
-        // skipped below; on AVX2 the score kernel also keeps each row's maximum
-        // (`avx2::qk_max`), so the softmax skips its pass over the rows for the maxima.
+        // A full, wholly visible block with no explicit mask: its scores go through the
+        // softmax in registers (`avx512::qk_softmax`, `avx2::qk_softmax`), so
+        // `online_rows` is skipped below.
         let whole = cfg!(target_arch = "x86_64")
             && p.mask.is_none()
             && p.softcap.is_none()
@@ -390,8 +386,9 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             && nk == BK
             && matches!(src, KvSrc::Packed(_) | KvSrc::Stream);
         let fused = whole && isa == Isa::Avx512;
-        let premax = whole && isa == Isa::Avx2Fma;
-        // `FnMut` only on x86-64, where the fused branch updates `m`, `l16` and `alpha`.
+        let fused2 = whole && isa == Isa::Avx2Fma;
+        // `FnMut` only on x86-64, where the fused branches update `m`, the sums and
+        // `alpha`.
         #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut qk = |kps: &[f32], sb: &mut [f32]| {
             #[cfg(target_arch = "x86_64")]
@@ -402,9 +399,11 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 };
             }
             #[cfg(target_arch = "x86_64")]
-            if premax {
+            if fused2 {
                 // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
-                return unsafe { avx2::qk_max(qpk, rows, e, kps, npanels, sb, BK, &mut mx[..]) };
+                return unsafe {
+                    avx2::qk_softmax(qpk, (rows, n), e, kps, sb, BK, (&mut *m, &mut *lsum, &mut *alpha))
+                };
             }
             if trimmed {
                 for (st, &k) in snk.iter().enumerate().take(nstrips) {
@@ -481,13 +480,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 (vs, NR, ldv)
             }
         };
-        if premax {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `premax` is only set on the `Isa::Avx2Fma` path.
-            unsafe {
-                avx2::online_rows_block_premax(sb, BK, n, mx, (m, lsum, alpha))
-            };
-        } else if !fused {
+        if !fused && !fused2 {
             let rows_of = RowsOf { bb, hh, ii, lo, hi };
             online_rows(
                 p,

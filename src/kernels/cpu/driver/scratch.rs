@@ -25,8 +25,6 @@ pub(super) struct Scratch {
     pub(super) ii: Vec<usize>,
     pub(super) tmp: Vec<f32>,
     pub(super) row: Vec<f32>,
-    /// Lane-wise row maxima of one score block (`avx2::qk_max`), 8 per row.
-    pub(super) mx: Vec<f32>,
     /// AMX operands (bf16 bits), sized on first use: Q components, P components, one
     /// K and one V block, and the row staging of the packers.
     #[cfg(target_arch = "x86_64")]
@@ -94,7 +92,6 @@ impl Scratch {
             ii: vec![0; rp],
             tmp: vec![0.0; NR * e.max(evp)],
             row: vec![0.0; evp],
-            mx: vec![0.0; rp * 8],
             #[cfg(target_arch = "x86_64")]
             amx_bufs: AmxBufs::default(),
         }
