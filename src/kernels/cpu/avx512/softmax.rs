@@ -360,21 +360,22 @@ unsafe fn softmax_row_impl<const HI_ONLY: bool>(
     let mask = |i: usize| if full { 0xffff } else { chunk_mask(i, (a, z)) };
     let (mut m0, mut m1) = (ninf, ninf);
     let mut i = 0;
+    // `max(y, m)` skips NaN scores, as in `visible_max`.
     while i + 32 <= w {
         m0 = _mm512_max_ps(
-            m0,
             _mm512_mask_mul_ps(ninf, mask(i), _mm512_loadu_ps(xp.add(i)), cv),
+            m0,
         );
         m1 = _mm512_max_ps(
-            m1,
             _mm512_mask_mul_ps(ninf, mask(i + 16), _mm512_loadu_ps(xp.add(i + 16)), cv),
+            m1,
         );
         i += 32;
     }
     if i < w {
         m0 = _mm512_max_ps(
-            m0,
             _mm512_mask_mul_ps(ninf, mask(i), _mm512_loadu_ps(xp.add(i)), cv),
+            m0,
         );
     }
     let m_new = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
@@ -791,5 +792,49 @@ mod tests {
         // SAFETY: as above.
         unsafe { _mm512_storeu_ps(out.as_mut_ptr(), exp2_512(_mm512_loadu_ps(special.as_ptr()))) };
         assert_eq!(&out[..8], &[0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 2.0]);
+    }
+
+    /// A NaN score hides only its own key in `softmax_row_bf16`, also on the path that
+    /// takes the block's maximum first (a first block whose first 16 keys show no finite
+    /// score): a key 577 ahead of the others, in the same lane as the NaN one or not,
+    /// gets `p = 1` and the others about 0. That path took `max(m, y)`, so a NaN in a
+    /// later chunk replaced the lane's maximum; the large key then got `p = inf`.
+    #[test]
+    fn softmax_row_bf16_skips_nan_scores_in_its_maximum() {
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512bf16"))
+        {
+            eprintln!("note: no AVX-512F/DQ/BF16 on this machine; softmax_row_bf16 not exercised");
+            return;
+        }
+        for hidden in [0, 16] {
+            for (big, nan) in [(40, 56), (56, 40), (20, 52), (33, 49), (40, 24), (17, 18)] {
+                let mut x = vec![0.01f32; 64];
+                x[..hidden].fill(f32::NEG_INFINITY);
+                x[big] = 577.0;
+                x[nan] = f32::NAN;
+                let (mut hi, mut lo) = (vec![0u16; 64], vec![0u16; 64]);
+                let mut l16 = [0f32; 16];
+                // SAFETY: features checked above; `hi` and `lo` hold 64 elements.
+                let (m_new, _) = unsafe {
+                    softmax_row_bf16(
+                        &x,
+                        (0, 64),
+                        1.0,
+                        f32::NEG_INFINITY,
+                        (hi.as_mut_ptr(), lo.as_mut_ptr()),
+                        &mut l16,
+                    )
+                };
+                let what = format!("first {hidden} keys hidden, large key {big}, NaN key {nan}");
+                assert_eq!(m_new, 577.0, "{what}");
+                let p =
+                    |i: usize| half::bf16::from_bits(hi[i]).to_f64() + half::bf16::from_bits(lo[i]).to_f64();
+                assert!((p(big) - 1.0).abs() < 1e-5, "{what}: p {}", p(big));
+                let sum: f64 = l16.iter().map(|&v| v as f64).sum();
+                assert!((sum - 1.0).abs() < 1e-5, "{what}: sum {sum}");
+            }
+        }
     }
 }
