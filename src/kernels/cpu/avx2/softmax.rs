@@ -3,7 +3,8 @@
 
 use super::*;
 
-/// Row maximum (-inf for empty / all -inf rows).
+/// Row maximum (-inf for empty / all -inf rows), NaN scores skipped: each step takes
+/// `max(x, m)`, which returns `m` where `x` is NaN.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn row_max_impl(x: &[f32]) -> f32 {
     let n = x.len();
@@ -12,12 +13,12 @@ unsafe fn row_max_impl(x: &[f32]) -> f32 {
     let mut m1 = m0;
     let mut j = 0;
     while j + 16 <= n {
-        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(ptr.add(j)));
-        m1 = _mm256_max_ps(m1, _mm256_loadu_ps(ptr.add(j + 8)));
+        m0 = _mm256_max_ps(_mm256_loadu_ps(ptr.add(j)), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(ptr.add(j + 8)), m1);
         j += 16;
     }
     if j + 8 <= n {
-        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(ptr.add(j)));
+        m0 = _mm256_max_ps(_mm256_loadu_ps(ptr.add(j)), m0);
         j += 8;
     }
     let mut lanes = [0f32; 8];
@@ -229,5 +230,34 @@ pub(super) unsafe fn online_rows_block_inner<const PRE: bool, const V: usize>(
             sum[i % 2] = _mm256_add_ps(sum[i % 2], pi);
         }
         l[r] = l[r] * alpha[r] + hsum(_mm256_add_ps(sum[0], sum[1]));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `online_row` takes its maximum over the non-NaN scores, wherever the NaN sits
+    /// (same lane of the other accumulator, a later vector of the same one, the tail):
+    /// a key 577 ahead gets `p = 1` and the row sum is 1. With `max(m, x)` a NaN 16
+    /// keys after the large key replaced it in the lane's maximum.
+    #[test]
+    fn online_row_skips_nan_scores_in_its_maximum() {
+        if !super::super::super::Isa::Avx2Fma.is_supported() {
+            return;
+        }
+        for n in [40, 64] {
+            for (big, nan) in [(3, 19), (19, 3), (3, 11), (3, 35), (20, 36), (1, n - 1)] {
+                let mut x = vec![0.01f32; n];
+                x[big] = 577.0;
+                x[nan] = f32::NAN;
+                // SAFETY: AVX2 and FMA detected above.
+                let (m, alpha, sum) = unsafe { online_row(&mut x, f32::NEG_INFINITY) };
+                let what = format!("n {n}, large key {big}, NaN key {nan}");
+                assert_eq!((m, alpha), (577.0, 0.0), "{what}");
+                assert_eq!(x[big], 1.0, "{what}");
+                assert!((sum - 1.0).abs() < 1e-6, "{what}: sum {sum}");
+            }
+        }
     }
 }
