@@ -95,7 +95,7 @@ unsafe fn qk_softmax_impl(
         let nl = live.saturating_sub(r0).min(MR);
         let qs = q.add(r0 * e);
         let sp = s.add(r0 * lds);
-        if m[r0..r0 + nl].contains(&f32::NEG_INFINITY) {
+        if (r0..r0 + nl).any(|r| m[r] == f32::NEG_INFINITY) {
             // A row's first visible block: raw scores and their lane-wise maxima, then
             // the update of `online_rows_block`, whose first pass reads these maxima.
             let mut mx = [_mm256_set1_ps(f32::NEG_INFINITY); MR];
