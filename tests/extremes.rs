@@ -283,7 +283,7 @@ fn huge_scores_give_the_reference_one_hot_softmax() -> Result<()> {
 /// key of NaNs and one key whose scores run 130 or 577 ahead of the others (in the log2
 /// domain the kernels work in), each row that sees the large key is that key's
 /// value row, as the reference path gives it with the NaN key masked out. The two keys
-/// share a lane of one block (8, 16, 32 or 48 keys apart, in both orders), sit in the
+/// share a lane of one block (8, 16 or 32 keys apart, in both orders), sit in the
 /// first block or a later one, or in one 16-key chunk; the shapes take the whole-block
 /// softmax in registers, a block's tail, the causal edge blocks and decode, with and
 /// without a mask that hides the first 16 keys. The lane-wise maxima of the AVX-512
