@@ -285,13 +285,14 @@ fn huge_scores_give_the_reference_one_hot_softmax() -> Result<()> {
 /// value row, as the reference path gives it with the NaN key masked out. The two keys
 /// share a lane of one block (8, 16 or 32 keys apart, in both orders), sit in the
 /// first block or a later one, or in one 16-key chunk; the shapes take the whole-block
-/// softmax in registers, a block's tail, the causal edge blocks and decode, with and
-/// without a mask that hides the first 16 keys. The lane-wise maxima of the AVX-512
-/// and AVX2 f32 softmax let a NaN in one vector of a row replace the lane's score in
+/// softmax in registers, a block's tail, the causal edge blocks and decode, with the
+/// first 16 keys as they are, hidden by a mask, or NaN as well. The lane-wise maxima of
+/// the AVX-512 and AVX2 f32 softmax, and of the bf16 softmax when a row's first 16 keys
+/// hold no finite score, let a NaN in one vector of a row replace the lane's score in
 /// another, so the large key went through the exponential unseen: on AVX-512 it
 /// overflowed and made the row NaN, on AVX2 its exponent wrapped and the row came out
-/// as some other mix of values (`avx512::softmax_regs`, `avx2::online_rows_block`,
-/// `avx2::qk_max`).
+/// as some other mix of values (`avx512::softmax_regs`, `avx512::softmax_row_impl`,
+/// `avx2::online_rows_block`, `avx2::qk_max`).
 #[test]
 fn a_nan_key_hides_only_itself() -> Result<()> {
     let dev = Device::Cpu;
@@ -344,21 +345,31 @@ fn a_nan_key_hides_only_itself() -> Result<()> {
         .flat_map(|sh| [22.6f32, 100.0].map(|big_k| (sh, big_k)));
     for ((l, s, causal), big_k) in cases {
         for (big, nan) in pairs.into_iter().filter(|&(b, n)| b < s && n < s) {
-            let mut kv = vec![0.01f32; s * d];
-            kv[big * d..(big + 1) * d].fill(big_k);
-            kv[nan * d..(nan + 1) * d].fill(f32::NAN);
-            let k = Tensor::from_vec(kv.clone(), (1, 1, s, d), &dev)?;
-            kv[nan * d..(nan + 1) * d].fill(0.0);
-            let k_clean = Tensor::from_vec(kv, (1, 1, s, d), &dev)?;
             let v = Tensor::arange(0u32, s as u32, &dev)?
                 .to_dtype(DType::F32)?
                 .reshape((1, 1, s, 1))?
                 .broadcast_as((1, 1, s, d))?
                 .contiguous()?;
             let q = Tensor::ones((1, 1, l, d), DType::F32, &dev)?;
-            // Without a mask, and with an additive one that hides the first 16 keys, so
-            // that a row's first chunk holds no finite score.
-            for hide in [0, 16] {
+            // The first 16 keys as they are, hidden by an additive mask, or NaN too, so
+            // that a row's first chunk holds no finite score (the NaN ones are not
+            // turned into a key range, as a mask of a padding shape may be).
+            for head in ["as is", "masked", "NaN"] {
+                let hide = if head == "as is" { 0 } else { 16 };
+                if big < hide {
+                    continue;
+                }
+                let mut kv = vec![0.01f32; s * d];
+                if head == "NaN" {
+                    kv[..hide * d].fill(f32::NAN);
+                }
+                kv[big * d..(big + 1) * d].fill(big_k);
+                kv[nan * d..(nan + 1) * d].fill(f32::NAN);
+                let k = Tensor::from_vec(kv.clone(), (1, 1, s, d), &dev)?;
+                for x in kv.iter_mut().filter(|x| x.is_nan()) {
+                    *x = 0.0;
+                }
+                let k_clean = Tensor::from_vec(kv, (1, 1, s, d), &dev)?;
                 let keep: Vec<u8> = (0..s).map(|j| (j != nan && j >= hide) as u8).collect();
                 let keep = Tensor::from_vec(keep, (1, 1, 1, s), &dev)?;
                 let mut opts = SdpaOptions::new()
@@ -371,7 +382,7 @@ fn a_nan_key_hides_only_itself() -> Result<()> {
                 let mask: Vec<f32> = (0..s)
                     .map(|j| if j < hide { f32::NEG_INFINITY } else { 0.0 })
                     .collect();
-                let mask = (hide > 0)
+                let mask = (head == "masked")
                     .then(|| Tensor::from_vec(mask, (1, 1, 1, s), &dev))
                     .transpose()?;
                 let causal = causal.then_some(kcpu::Causal {
@@ -389,7 +400,7 @@ fn a_nan_key_hides_only_itself() -> Result<()> {
                         // key is visible); bf16 rounds those above 128 to even numbers.
                         assert!(
                             diff <= 1.0,
-                            "{isa:?} {dt:?} L {l} S {s} causal {causal:?} first {hide} keys hidden, \
+                            "{isa:?} {dt:?} L {l} S {s} causal {causal:?} first 16 keys {head}, \
                              large key {big} ({big_k}), NaN key {nan}: off by {diff}"
                         );
                     }
