@@ -149,6 +149,35 @@ unsafe fn reduce16(regs: [__m512; 16]) -> __m512 {
     )
 }
 
+/// Whether a decode score strip of `rows` rows with K elements of type `T` reduces each
+/// key's sums as soon as they are in ([`store_key_sums`]) rather than 16 keys' sums
+/// together ([`reduce16`]): f32 strips of one or two rows, the decode of attention
+/// without GQA (one row per group) or with two query heads per KV head.
+///
+/// Reading K from DRAM, such strips ran faster that way, although they issue more
+/// instructions; wider strips and half-precision rows did not. On the Zen 4 VM (one
+/// thread, in-process, rate new/old): one row 1.06–1.10 at E = 128, 1.03–1.09 at 64,
+/// 1.01 at 256 and 1.00–1.05 at 48, 80 and 96; two rows 1.05–1.10; four rows 0.99–1.00
+/// from DRAM and 0.91 from L3, eight 0.91; bf16 0.94–1.00 and f16 0.90–0.94. With both
+/// threads, `decode_b4`'s shape read 1.06–1.07 (kernel notes).
+#[inline]
+fn per_key_sums<const T: u8>(rows: usize) -> bool {
+    T == F32 && rows <= 2
+}
+
+/// Stores the horizontal sum of each of `acc`'s `R` registers, one key's scores of `R`
+/// rows, at `s + r·lds`.
+///
+/// # Safety
+/// AVX-512F must be available; `s + r·lds` is writable for every `r < R`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn store_key_sums<const R: usize>(acc: [__m512; R], s: *mut f32, lds: usize) {
+    for (r, a) in acc.into_iter().enumerate() {
+        *s.add(r * lds) = _mm512_reduce_add_ps(a);
+    }
+}
+
 /// Decode scores `S = Q·Kᵀ` (`q`: `rows × e` row-major; K row `j` at element `j·ldk`;
 /// `s`: row stride `lds`) that walk each K row to its end before the next, keys in
 /// order. The hardware prefetchers follow such reads from DRAM; they did not follow the
@@ -157,7 +186,9 @@ unsafe fn reduce16(regs: [__m512; 16]) -> __m512 {
 /// at 25–32 GB/s on both threads, with rows interleaved 4 or 16 at a time at 12–20).
 /// Live rows go in strips of up to 8 (E = 64 and 128), 4 (E = 256) or [`MR`] (other
 /// head sizes); each strip reads the K block once (the first from memory, the others
-/// from cache). Padding rows (`live..rows`) get zero scores.
+/// from cache). Strips of one or two f32 rows store each key's scores as soon as they
+/// are in, wider ones 16 keys' at a time ([`per_key_sums`]). Padding rows
+/// (`live..rows`) get zero scores.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
 unsafe fn qk_dot_impl<const T: u8>(
@@ -249,8 +280,8 @@ unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const 
             _mm512_loadu_ps(qs.add(r * EQ * 16 + i * 16))
         }
     };
-    // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
-    // sums from the previous 16 keys, which the masked store drops).
+    // Partial sums of 16 keys per row, unless `per_key_sums` (at a tail, the lanes past
+    // `cnt` reduce stale sums from the previous 16 keys, which the masked store drops).
     let mut part = [[_mm512_setzero_ps(); 16]; R];
     let size = elem_bytes::<T>();
     // Rows of at most 256 elements: the row ahead is asked for whole in either mode.
@@ -258,7 +289,7 @@ unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const 
     let mut j = 0;
     while j < nk {
         let cnt = (nk - j).min(16);
-        for c in 0..cnt {
+        let key = |c: usize| {
             let kr = (j + c) * ldk;
             if skip > 0 {
                 prefetch_bytes(k.wrapping_add(kr * size + skip), EQ * 16 * size);
@@ -280,19 +311,29 @@ unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const 
                     i += 1;
                 }
             }
-            for (p, a) in part.iter_mut().zip(acc) {
-                p[c] = a;
+            acc
+        };
+        if per_key_sums::<T>(R) {
+            for c in 0..cnt {
+                store_key_sums(key(c), s.add(j + c), lds);
             }
-        }
-        for (r, p) in part.iter().enumerate() {
-            _mm512_mask_storeu_ps(s.add(r * lds + j), tail_mask_full(cnt), reduce16(*p));
+        } else {
+            for c in 0..cnt {
+                for (p, a) in part.iter_mut().zip(key(c)) {
+                    p[c] = a;
+                }
+            }
+            for (r, p) in part.iter().enumerate() {
+                _mm512_mask_storeu_ps(s.add(r * lds + j), tail_mask_full(cnt), reduce16(*p));
+            }
         }
         j += 16;
     }
 }
 
 /// [`qk_dot_impl`] for `R` rows: per key, one pass over its row (e/16 loads, shared by
-/// the `R` rows); the partial sums of 16 keys are reduced together ([`reduce16`]).
+/// the `R` rows); the partial sums of 16 keys are reduced together ([`reduce16`]), or
+/// each key's at once where [`per_key_sums`].
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn qk_rows_strip<const T: u8, const R: usize>(
@@ -304,8 +345,8 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 ) {
     let full = e / 16 * 16;
     let tm = tail_mask(e - full);
-    // Partial sums of 16 keys per row (at a tail, the lanes past `cnt` reduce stale
-    // sums from the previous 16 keys, which the masked store drops).
+    // Partial sums of 16 keys per row, unless `per_key_sums` (at a tail, the lanes past
+    // `cnt` reduce stale sums from the previous 16 keys, which the masked store drops).
     let mut part = [[_mm512_setzero_ps(); 16]; R];
     let size = elem_bytes::<T>();
     // `Keys`: the whole row ahead, once per row; `Bytes`: one line per 64 bytes read,
@@ -359,12 +400,18 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
                     *a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tm, qs.add(r * e + full)), kv, *a);
                 }
             }
-            for (p, a) in part.iter_mut().zip(acc) {
-                p[c] = a;
+            if per_key_sums::<T>(R) {
+                store_key_sums(acc, s.add(j + c), lds);
+            } else {
+                for (p, a) in part.iter_mut().zip(acc) {
+                    p[c] = a;
+                }
             }
         }
-        for (r, p) in part.iter().enumerate() {
-            _mm512_mask_storeu_ps(s.add(r * lds + j), tail_mask_full(cnt), reduce16(*p));
+        if !per_key_sums::<T>(R) {
+            for (r, p) in part.iter().enumerate() {
+                _mm512_mask_storeu_ps(s.add(r * lds + j), tail_mask_full(cnt), reduce16(*p));
+            }
         }
         j += 16;
     }
@@ -489,7 +536,8 @@ mod tests {
     use super::*;
 
     /// `qk_dot_raw` against f64 dot products for every live row count of a decode group
-    /// (1..=24, so every score strip and its dispatch arm), at the head sizes with
+    /// (1..=24, so every score strip and its dispatch arm, f32 strips of one and two rows
+    /// taking each key's sums at once, `per_key_sums`), at the head sizes with
     /// register strips (64, 128, 256) and one without (80), for f32, bf16 and f16 K rows
     /// (read in place; bf16 with Q in the split layout), over 70 keys (a tail of 6 after
     /// 64). Padding rows must get zero scores.
