@@ -121,7 +121,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot_raw(
 /// transpose-and-add tree (15 shuffle pairs instead of 16 full reductions).
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn reduce16(regs: [__m512; 16]) -> __m512 {
+pub(super) unsafe fn reduce16(regs: [__m512; 16]) -> __m512 {
     // 16 → 8: within each 128-bit lane, (a0 + a2, b0 + b2, a1 + a3, b1 + b3).
     let b: [__m512; 8] = std::array::from_fn(|i| {
         let (x0, x1) = (regs[2 * i], regs[2 * i + 1]);

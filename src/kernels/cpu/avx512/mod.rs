@@ -24,6 +24,7 @@ use super::view::Data;
 use std::arch::x86_64::*;
 
 mod decode;
+mod decode_pairs;
 mod linear;
 mod products;
 mod softmax;
@@ -32,6 +33,10 @@ mod transpose;
 
 pub(crate) use decode::Ahead;
 pub(super) use decode::{merge_pairs, pv_rows, qk_dot, qk_dot_raw, split_pairs};
+pub(super) use decode_pairs::{
+    merge_unpacked, pack_bf16_rows, pairs_head_size, pv_rows_pairs, qk_dot_pairs, PAIRS_MIN_ROWS,
+    PAIRS_PV_MIN_ROWS,
+};
 pub(crate) use linear::{gemm, GEMM_ROWS};
 pub(super) use products::{pv, pv_pair, qk, qk_softmax};
 pub(super) use softmax::online_rows_lazy;

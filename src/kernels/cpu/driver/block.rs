@@ -191,37 +191,6 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
     // whose 6-row tiles broadcast from the row-major rows (`avx512::qk`, `avx2::qk`); the
     // decode kernels take it row-major.
     let strip_q = !matches!(src, KvSrc::Rows) && !matches!(isa, Isa::Avx512 | Isa::Avx2Fma);
-    let qb = &mut q.as_mut_slice()[..rows * e];
-    let qpm = &mut qp.as_mut_slice()[..rows * e];
-    let vis = block_rows(p, blk, (hh, ii, lo, hi), |r, off| {
-        let qrow = &mut qb[r * e..(r + 1) * e];
-        p.q.read_row(off, qrow, p.scale * LOG2_E);
-        if strip_q {
-            // Strip-packed copy `[r / MR][x][r % MR]` for the register-tiled kernel.
-            let strip = &mut qpm[(r / MR) * MR * e..(r / MR + 1) * MR * e];
-            for (d, &x) in strip.chunks_exact_mut(MR).zip(qrow.iter()) {
-                d[r % MR] = x;
-            }
-        }
-    });
-    let Visible {
-        lo_min,
-        hi_max,
-        max_lo,
-        min_hi,
-    } = vis;
-    // The decode kernels (`KvSrc::Rows`) read Q and write the output for the live rows
-    // only, so only the other kernels need the padding rows cleared.
-    let cleared = if matches!(src, KvSrc::Rows) { n } else { rows };
-    qb[n * e..cleared * e].fill(0.0);
-    if strip_q {
-        for r in n..rows {
-            let strip = &mut qpm[(r / MR) * MR * e..(r / MR + 1) * MR * e];
-            for d in strip.chunks_exact_mut(MR) {
-                d[r % MR] = 0.0;
-            }
-        }
-    }
     // Decode on AVX-512 reads K/V rows of unit inner stride in place (`raw`), f16/bf16
     // widened in registers; bf16 rows are widened 32 at a time, split into even and odd
     // elements (`avx512::qk_dot_raw`, `avx512::pv_rows`), so Q takes that layout here and
@@ -252,8 +221,61 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
     // (q, k and v share one dtype: `sdpa_impl` checks it.)
     #[cfg(target_arch = "x86_64")]
     let split = raw && matches!(p.k.data, super::super::view::Data::BF16(_));
+    // Where bf16 prefill runs its products on AVX512-BF16 register tiles, the scores of
+    // bf16 decode groups of `PAIRS_MIN_ROWS` rows or more run on `VDPBF16PS` too
+    // (`avx512::qk_dot_pairs`): Q is read unscaled and packed into bf16 pairs, and the
+    // scale multiplies the scores instead. Groups of `PAIRS_PV_MIN_ROWS` rows or more
+    // also run `P·V` there (`avx512::pv_rows_pairs`), with the probabilities rounded to
+    // bf16; its output leaves its interleaved layout at the end.
     #[cfg(target_arch = "x86_64")]
-    if split {
+    let pairs = split
+        && n >= avx512::PAIRS_MIN_ROWS
+        && avx512::pairs_head_size(e)
+        && avx512::pairs_head_size(ev)
+        && p.amx
+            .is_some_and(|pl| pl.unit == super::super::amx::Unit::Avx512Bf16)
+        && std::arch::is_x86_feature_detected!("avx512bw");
+    #[cfg(not(target_arch = "x86_64"))]
+    let pairs = false;
+    let q_mul = if pairs { 1.0 } else { p.scale * LOG2_E };
+    #[cfg(target_arch = "x86_64")]
+    let pairs_pv = pairs && n >= avx512::PAIRS_PV_MIN_ROWS;
+    let qb = &mut q.as_mut_slice()[..rows * e];
+    let qpm = &mut qp.as_mut_slice()[..rows * e];
+    let vis = block_rows(p, blk, (hh, ii, lo, hi), |r, off| {
+        let qrow = &mut qb[r * e..(r + 1) * e];
+        p.q.read_row(off, qrow, q_mul);
+        if strip_q {
+            // Strip-packed copy `[r / MR][x][r % MR]` for the register-tiled kernel.
+            let strip = &mut qpm[(r / MR) * MR * e..(r / MR + 1) * MR * e];
+            for (d, &x) in strip.chunks_exact_mut(MR).zip(qrow.iter()) {
+                d[r % MR] = x;
+            }
+        }
+    });
+    let Visible {
+        lo_min,
+        hi_max,
+        max_lo,
+        min_hi,
+    } = vis;
+    // The decode kernels (`KvSrc::Rows`) read Q and write the output for the live rows
+    // only, so only the other kernels need the padding rows cleared.
+    let cleared = if matches!(src, KvSrc::Rows) { n } else { rows };
+    qb[n * e..cleared * e].fill(0.0);
+    if strip_q {
+        for r in n..rows {
+            let strip = &mut qpm[(r / MR) * MR * e..(r / MR + 1) * MR * e];
+            for d in strip.chunks_exact_mut(MR) {
+                d[r % MR] = 0.0;
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if pairs {
+        // SAFETY: `pairs` needs the AVX512-BF16 plan, set only where the CPU has it.
+        unsafe { avx512::pack_bf16_rows(&mut qb[..n * e], e) };
+    } else if split {
         for row in qb.chunks_exact_mut(e) {
             avx512::split_pairs(row);
         }
@@ -426,7 +448,11 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             KvSrc::Rows if raw || raw2 => {
                 let (kd, ldk) = rows_raw(&p.k, bb, kvh, j0, nk, e);
                 let (vd, ldv) = rows_raw(&p.v, bb, kvh, j0, nk, ev);
-                if raw {
+                if pairs {
+                    let c = p.scale * LOG2_E;
+                    // SAFETY: as at `pack_bf16_rows` above.
+                    unsafe { avx512::qk_dot_pairs(qb, rows, n, e, kd, (ldk, nk, c), sb, BK) };
+                } else if raw {
                     let keys = match ahead {
                         0 => avx512::Ahead::Off,
                         d => avx512::Ahead::Keys(d),
@@ -512,7 +538,10 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             }
         } else if let Some(vd) = raw_v {
             #[cfg(target_arch = "x86_64")]
-            if raw {
+            if pairs_pv {
+                // SAFETY: as at `pack_bf16_rows` above (and AVX512BW, checked there).
+                unsafe { avx512::pv_rows_pairs(sb, n, nk, vd, (ldv, ev), o, evp, alpha) };
+            } else if raw {
                 // SAFETY: `raw` is only set on the `Isa::Avx512` path.
                 unsafe { avx512::pv_rows(sb, n, nk, vd, (ldv, nvp, ahead), o, evp, alpha) };
             } else {
@@ -569,7 +598,11 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if split {
+    if pairs_pv {
+        for row in o.as_mut_slice().chunks_exact_mut(evp).take(n) {
+            avx512::merge_unpacked(row, ev / 32);
+        }
+    } else if split {
         for row in o.as_mut_slice().chunks_exact_mut(evp).take(n) {
             avx512::merge_pairs(row, nvp / 2);
         }
