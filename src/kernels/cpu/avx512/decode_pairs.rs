@@ -192,9 +192,9 @@ unsafe fn pairs_strip<const R: usize, const QR: usize, const EP: usize>(
 /// Each 32 columns of a pair of V rows are interleaved element by element
 /// (`vpunpcklwd`/`vpunpckhwd`) within each 128-bit lane, so the output columns come out
 /// permuted within each group of 32: the caller applies [`merge_unpacked`] once all keys
-/// are in. Rows go in tiles of up to 2 (`ev` ≥ 128, 128 columns per pass) or 4 (`ev` =
-/// 64), so a block's V rows are read from memory by the first tile and from cache by the
-/// others, in key order.
+/// are in. Tiles span whole V rows (up to 4 rows at `ev` = 64, 2 at 128, 1 at 256), so a
+/// block's V rows are read from memory by the first tile and from cache by the others,
+/// in key order.
 ///
 /// # Safety
 /// AVX-512F, AVX512BW and AVX512-BF16 must be available.
@@ -254,8 +254,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
             al.add(r0),
         )
     };
-    // Tiles span whole V rows: 4 rows × 64 columns, 2 × 128 or 1 × 256 (at most 16
-    // accumulators).
+    // Tiles of 4 rows × 64 columns, 2 × 128 or 1 × 256 (at most 16 accumulators).
     let mut r0 = 0;
     while r0 < live {
         let rem = live - r0;
