@@ -226,7 +226,9 @@ fn a_softcap_beyond_f32_is_an_error_in_f32_only() -> Result<()> {
 /// maximum that a later block overtakes by more than the maximum itself. On AVX512-BF16
 /// and AMX, bf16 rows use the pairs products, whose softmax took the rounded score's own
 /// rounding error as a distance (up to `2^4096`) and redid a row against a rounded
-/// reference; both gave NaN or wrong outputs here (`avx512::softmax`).
+/// reference; both gave NaN or wrong outputs here (`avx512::softmax`). The decode groups
+/// of 8 and 16 rows take the pairs decode products there (a sign or operand-order fault
+/// in either fails here).
 #[test]
 fn huge_scores_give_the_reference_one_hot_softmax() -> Result<()> {
     let dev = Device::Cpu;
@@ -236,8 +238,18 @@ fn huge_scores_give_the_reference_one_hot_softmax() -> Result<()> {
             .map(|i| ((i * 7 + salt * 13 + i / 5) % 7) as f32 - 3.0)
             .collect()
     };
-    for (l, s, d) in [(33usize, 7usize, 48usize), (144, 100, 64), (200, 300, 128)] {
-        let q = Tensor::from_vec(ints(2 * l * d, 1), (1, 2, l, d), &dev)?;
+    // (query heads per KV head, L, S, E): prefill, then decode groups of 8 and 16 rows,
+    // which take the pairs decode products where bf16 prefill runs on AVX512-BF16
+    // without AMX (`avx512::qk_dot_pairs`, `avx512::pv_rows_pairs`).
+    for (h, l, s, d) in [
+        (2usize, 33usize, 7usize, 48usize),
+        (2, 144, 100, 64),
+        (2, 200, 300, 128),
+        (8, 1, 100, 64),
+        (8, 2, 300, 128),
+        (4, 2, 70, 256),
+    ] {
+        let q = Tensor::from_vec(ints(h * l * d, 1), (1, h, l, d), &dev)?;
         let k = Tensor::from_vec(ints(s * d, 2), (1, 1, s, d), &dev)?;
         let v = Tensor::from_vec(ints(s * d, 3), (1, 1, s, d), &dev)?;
         for dt in [DType::BF16, DType::F16, DType::F32] {
@@ -253,7 +265,7 @@ fn huge_scores_give_the_reference_one_hot_softmax() -> Result<()> {
                         .to_dtype(DType::F32)
                 };
                 let (fused, reference) = (run(Backend::Fused)?, run(Backend::Reference)?);
-                let what = format!("{dt:?} l {l} s {s} d {d} scale {scale:e}");
+                let what = format!("{dt:?} h {h} l {l} s {s} d {d} scale {scale:e}");
                 let nan = fused
                     .flatten_all()?
                     .to_vec1::<f32>()?
