@@ -866,3 +866,73 @@ fn f32_lazy_rescale_follows_growing_scores() -> Result<()> {
     }
     Ok(())
 }
+
+/// Decode groups on blocks of up to 512 keys (AVX-512 reads K/V rows in place in blocks
+/// of 128 KiB of rows, whose softmax is updated 128 keys at a time): scores that step up
+/// every 128 keys, slowly (the stale reference is kept) and fast (each 128 keys redo the
+/// row against their own maximum, so the probabilities that the block's earlier updates
+/// wrote are brought to the new reference, and `alpha` multiplies), one key far above
+/// the rest in the second 128 keys of a block, and rows whose first visible key lies
+/// inside a block (a sliding window, or an additive mask hiding the first keys). Groups
+/// of 1, 4 and 8 query rows (bf16 groups of 4 and 8 take the pairs products where there
+/// is AVX512-BF16), f32, bf16 and f16, heads of 64 and 128; 1400 keys end in a partial
+/// block. A row's score for key `j` is about `0.125 · e · k_j` nats (queries of ones).
+#[test]
+fn decode_blocks_follow_growing_scores() -> Result<()> {
+    let mut rng = Rng(0xdec0_b10c);
+    let s = 1400;
+    let spike = 512 + 128 + 16 * 3 + 5;
+    for e in [64usize, 128] {
+        // Per 128 keys the scores step up by `0.125·e·step` nats: with e = 128, 0.8
+        // (≈ 1.2 in log2, kept) and 8 (≈ 11.5, redone); step 0: flat scores but for the
+        // spike, 100 nats above them.
+        let unit = 0.125 * e as f32;
+        for step in [0.8 / unit, 8.0 / unit, 0.0] {
+            let key = |rng: &mut Rng, j: usize| {
+                let base = if step == 0.0 {
+                    if j == spike {
+                        100.0 / unit
+                    } else {
+                        0.0
+                    }
+                } else {
+                    ((j / 128) as f32 - 5.0) * step
+                };
+                base + 0.05 * (rng.uniform() - 0.5)
+            };
+            let (q1, k, v, _) = rescale_case(&mut rng, (1, s, e, e), key, false)?;
+            for g in [1usize, 4, 8] {
+                let q = q1.repeat((1, g, 1, 1))?;
+                // No mask; a window whose first key is 300 (inside the first block); an
+                // additive mask hiding the first 700 keys (inside the second block of
+                // 512, the sixth of 256).
+                let window = Causal {
+                    offset: s as isize - 1,
+                    window: Some(s - 300),
+                };
+                let mut hide = vec![0f32; s];
+                hide[..700].fill(f32::NEG_INFINITY);
+                let hide = Tensor::from_vec(hide, (1, 1, 1, s), &Device::Cpu)?;
+                for (what, mask, c) in [
+                    ("whole", None, None),
+                    ("window", None, Some(window)),
+                    ("masked", Some(&hide), None),
+                ] {
+                    for dtype in [DType::F32, DType::BF16, DType::F16] {
+                        let (q, k, v) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?, v.to_dtype(dtype)?);
+                        let want = reference(&q, &k, &v, mask, c, 0.125)?;
+                        for isa in isas() {
+                            let got = sdpa_with_isa(&q, &k, &v, mask, c, 0.125, isa)?;
+                            let err = max_rel_err(&got, &want)?;
+                            assert!(
+                                err <= tol(dtype),
+                                "{isa:?} {dtype:?} e {e} step {step} {g} rows {what}: rel err {err}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -419,7 +419,7 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 
 /// Decode `O = α·O + P·V` for the first `live` rows that walks each V row to its end
 /// before the next, keys in order (see [`qk_dot_impl`] for why): P `live × nk` with row
-/// stride [`BK`]; V row `j` at element `j·ldv` of `v` (f32, or half precision read in
+/// stride `ldp ≥ nk`; V row `j` at element `j·ldv` of `v` (f32, or half precision read in
 /// place and widened in registers); `nvp` 16-column output panels; `o` with row stride
 /// `ldo`; each tile asks for its columns of the V row `ahead` keys on (0: nothing; a
 /// hint, results do not depend on it). Tiles of `R` rows × `N` panels (`R·N ≤ 24`
@@ -438,7 +438,7 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 /// AVX-512F must be available.
 #[allow(clippy::too_many_arguments)]
 pub(in crate::kernels::cpu) unsafe fn pv_rows(
-    p: &[f32],
+    (p, ldp): (&[f32], usize),
     live: usize,
     nk: usize,
     v: Data,
@@ -448,17 +448,17 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     alpha: &[f32],
 ) {
     let (ptr, len) = data_ptr(v);
-    assert!(BK >= nk && ldo >= nvp * NR && alpha.len() >= live);
-    assert!(live == 0 || p.len() >= (live - 1) * BK + nk);
+    assert!(ldp >= nk && ldo >= nvp * NR && alpha.len() >= live);
+    assert!(live == 0 || p.len() >= (live - 1) * ldp + nk);
     assert!(nvp == 0 || nk == 0 || len >= (nk - 1) * ldv + nvp * NR);
     assert!(live == 0 || o.len() >= (live - 1) * ldo + nvp * NR);
     let (pp, op, al) = (p.as_ptr(), o.as_mut_ptr(), alpha.as_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match v {
-            Data::F32(_) => pv_rows_impl::<F32>(pp, (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
-            Data::BF16(_) => pv_rows_impl::<BF16>(pp, (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
-            Data::F16(_) => pv_rows_impl::<F16>(pp, (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
+            Data::F32(_) => pv_rows_impl::<F32>((pp, ldp), (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
+            Data::BF16(_) => pv_rows_impl::<BF16>((pp, ldp), (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
+            Data::F16(_) => pv_rows_impl::<F16>((pp, ldp), (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
         }
     }
 }
@@ -466,7 +466,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
 unsafe fn pv_rows_impl<const T: u8>(
-    p: *const f32,
+    (p, ldp): (*const f32, usize),
     (live, nk): (usize, usize),
     v: *const u8,
     (ldv, nvp, ahead): (usize, usize, usize),
@@ -498,8 +498,8 @@ unsafe fn pv_rows_impl<const T: u8>(
                 _ => [6, 3, 2, 1].into_iter().find(|&x| x <= rem).unwrap_or(1),
             };
             let src = PvSrc {
-                p: p.add(r0 * BK),
-                ldp: BK,
+                p: p.add(r0 * ldp),
+                ldp,
                 segs: [(v, nk), (std::ptr::null(), 0)],
                 vps: NR,
                 ldv,

@@ -14,7 +14,7 @@
 //! ([`PAIRS_MIN_ROWS`]). Interleaving the V rows costs more than the products save below
 //! 8 rows ([`PAIRS_PV_MIN_ROWS`]).
 
-use super::super::decode::DECODE_MAX_ROWS;
+use super::super::decode::{DECODE_BK_MAX, DECODE_MAX_ROWS};
 use super::*;
 
 /// Fewest live rows in a decode group whose bf16 scores go through [`qk_dot_pairs`].
@@ -183,7 +183,7 @@ unsafe fn pairs_strip<const R: usize, const QR: usize, const EP: usize>(
 }
 
 /// Decode `O = α·O + P·V` for the first `live` rows with bf16 V rows on `VDPBF16PS`:
-/// the probabilities (`p`, row stride [`BK`], `nk` keys) are rounded to bf16, as
+/// the probabilities (`p`, row stride `ldp`, `nk ≤ DECODE_BK_MAX` keys) are rounded to bf16, as
 /// PyTorch rounds them before its bf16 `P·V` product and as this crate's bf16 prefill
 /// does, and multiply pairs of V rows exactly, summed in f32. V row `j` at element
 /// `j·ldv` of `v` (bf16, read in place), `ev` columns (see [`pairs_head_size`]); `o` with
@@ -200,7 +200,7 @@ unsafe fn pairs_strip<const R: usize, const QR: usize, const EP: usize>(
 /// AVX-512F, AVX512BW and AVX512-BF16 must be available.
 #[allow(clippy::too_many_arguments)]
 pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
-    p: &[f32],
+    (p, ldp): (&[f32], usize),
     live: usize,
     nk: usize,
     v: Data,
@@ -212,16 +212,16 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
     let Data::BF16(vd) = v else {
         panic!("pv_rows_pairs takes bf16 values")
     };
-    assert!(pairs_head_size(ev) && BK >= nk && live <= DECODE_MAX_ROWS && alpha.len() >= live);
-    assert!(live == 0 || p.len() >= (live - 1) * BK + nk);
+    assert!(pairs_head_size(ev) && DECODE_BK_MAX >= nk && ldp >= nk && live <= DECODE_MAX_ROWS);
+    assert!(alpha.len() >= live && (live == 0 || p.len() >= (live - 1) * ldp + nk));
     assert!(nk == 0 || vd.len() >= (nk - 1) * ldv + ev);
     assert!(live == 0 || (ldo >= ev && o.len() >= (live - 1) * ldo + ev));
     // Each live row's probabilities as bf16 pairs (keys `2t` and `2t + 1` in the low and
-    // high halves of `pp[r·BK / 2 + t]`); a missing last key of an odd count is 0.
-    let mut pp = [0u32; DECODE_MAX_ROWS * BK / 2];
+    // high halves of `pp[r·DECODE_BK_MAX / 2 + t]`); a missing last key of an odd count is 0.
+    let mut pp = [0u32; DECODE_MAX_ROWS * DECODE_BK_MAX / 2];
     for r in 0..live {
         for c in 0..nk.div_ceil(32) {
-            let at = p.as_ptr().add(r * BK + 32 * c);
+            let at = p.as_ptr().add(r * ldp + 32 * c);
             let (m0, m1) = (
                 tail_mask_full(nk.saturating_sub(32 * c)),
                 tail_mask_full(nk.saturating_sub(32 * c + 16)),
@@ -232,7 +232,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
             );
             let packed = _mm512_cvtne2ps_pbh(hi, lo);
             _mm512_storeu_si512(
-                pp.as_mut_ptr().add(r * BK / 2 + 16 * c) as *mut __m512i,
+                pp.as_mut_ptr().add(r * DECODE_BK_MAX / 2 + 16 * c) as *mut __m512i,
                 std::mem::transmute::<__m512bh, __m512i>(packed),
             );
         }
@@ -245,7 +245,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
     );
     let args = |r0: usize| {
         (
-            ppp.add(r0 * BK / 2),
+            ppp.add(r0 * DECODE_BK_MAX / 2),
             vp,
             ldv,
             nk,
@@ -273,7 +273,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
     }
 }
 
-/// `(P pairs of the tile's first row (row stride BK / 2), V, V row stride, key count,
+/// `(P pairs of the tile's first row (row stride DECODE_BK_MAX / 2), V, V row stride, key count,
 /// the tile's first output row, output row stride, alpha of the tile's first row)`.
 type PvPairArgs = (*const u32, *const u16, usize, usize, *mut f32, usize, *const f32);
 
@@ -293,7 +293,9 @@ unsafe fn pairs_pv_tile<const R: usize, const CH: usize>((pp, v, ldv, nk, o, ldo
         let (r0, r1) = (v.add(2 * t * ldv), v.add((2 * t + 1) * ldv));
         let two = 2 * t + 1 < nk;
         let pr: [__m512bh; R] = std::array::from_fn(|r| {
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*pp.add(r * BK / 2 + t) as i32))
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                *pp.add(r * DECODE_BK_MAX / 2 + t) as i32
+            ))
         });
         for ch in 0..CH {
             let a = _mm512_loadu_si512(r0.add(32 * ch) as *const __m512i);
@@ -389,9 +391,10 @@ mod tests {
     }
 
     /// `pv_rows_pairs` then `merge_unpacked` against `α·O + P·V` in f64 (the starting `O`
-    /// in the kernel's layout) with each probability rounded to bf16 first, for every live row count (1..=24: every tile
-    /// shape), each head size it takes, an odd and an even key count (the missing last
-    /// key of an odd count adds nothing, even where that V row is infinite), rows of V
+    /// in the kernel's layout) with each probability rounded to bf16 first, for every
+    /// live row count (1..=24: every tile shape), each head size it takes, odd and even
+    /// key counts up to a whole decode block (`DECODE_BK_MAX`; the missing last key of an
+    /// odd count adds nothing, even where that V row is infinite), rows of P and of V
     /// further apart than their length and output rows longer than `ev`; the columns past
     /// `ev` must stay as they were.
     #[test]
@@ -403,20 +406,22 @@ mod tests {
         let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
         for ev in [64usize, 128, 256] {
             let (ldv, ldo) = (ev + 32, ev + 16);
-            for nk in [1usize, 37, 64] {
+            // Scores of a long decode block: up to `DECODE_BK_MAX` keys, rows `ldp` apart.
+            let ldp = DECODE_BK_MAX + 3;
+            for nk in [1usize, 37, 64, 201, DECODE_BK_MAX] {
                 // One V row past the keys, all infinite: a pair read past `nk` would show.
                 let mut vf: Vec<f32> = (0..(nk + 1) * ldv).map(|i| val(i, 5)).collect();
                 vf[nk * ldv..].fill(f32::INFINITY);
                 let vb: Vec<half::bf16> = vf.iter().map(|&x| half::bf16::from_f32(x)).collect();
                 for live in 1..=24usize {
-                    let p: Vec<f32> = (0..live * BK).map(|i| val(i, 7).abs() * 1.37).collect();
+                    let p: Vec<f32> = (0..live * ldp).map(|i| val(i, 7).abs() * 1.37).collect();
                     let alpha: Vec<f32> = (0..live).map(|r| 0.5 + r as f32 / 16.0).collect();
                     let o0: Vec<f32> = (0..live * ldo).map(|i| val(i, 13)).collect();
                     let mut o = o0.clone();
                     // SAFETY: AVX512-BF16, AVX512BW (and AVX-512F) detected above.
                     unsafe {
                         pv_rows_pairs(
-                            &p,
+                            (&p, ldp),
                             live,
                             nk,
                             Data::BF16(&vb[..nk * ldv]),
@@ -442,7 +447,7 @@ mod tests {
                                 continue;
                             }
                             let terms = (0..nk).map(|j| {
-                                half::bf16::from_f32(p[r * BK + j]).to_f64() * vb[j * ldv + c].to_f64()
+                                half::bf16::from_f32(p[r * ldp + j]).to_f64() * vb[j * ldv + c].to_f64()
                             });
                             let o_in = om[r * ldo + c] as f64;
                             let mag: f64 = terms.clone().map(f64::abs).sum::<f64>() + o_in.abs();

@@ -298,9 +298,21 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
     let qpk = if strip_q { &qp.as_slice()[..rows * e] } else { qb };
     let kend = khi.div_ceil(BK);
     let mut kb = klo / BK;
+    // Keys per block, and the row stride of its scores: decode on AVX-512 (`raw`) takes
+    // blocks of up to 128 KiB of K rows (`decode_block_keys`), so that it switches
+    // between the K and V streams less often; everything else takes `BK`.
+    #[cfg(target_arch = "x86_64")]
+    let step = if raw {
+        super::super::decode::decode_block_keys(e.max(ev) * p.k.data.elem_bytes())
+    } else {
+        BK
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let step = BK;
     while kb < kend {
         let j0 = kb * BK;
-        let nk = BK.min(s - j0);
+        // (`kend·BK − j0 ≥ BK`, so blocks of `BK` keys end where they did.)
+        let nk = step.min(s - j0).min(kend * BK - j0);
         let npanels = nk.div_ceil(NR);
         let sb = sbuf.as_mut_slice();
         let need_causal = p.bounded() && !(max_lo <= j0 && min_hi >= j0 + nk);
@@ -451,17 +463,17 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 if pairs {
                     let c = p.scale * LOG2_E;
                     // SAFETY: as at `pack_bf16_rows` above.
-                    unsafe { avx512::qk_dot_pairs(qb, rows, n, e, kd, (ldk, nk, c), sb, BK) };
+                    unsafe { avx512::qk_dot_pairs(qb, rows, n, e, kd, (ldk, nk, c), sb, step) };
                 } else if raw {
                     let keys = match ahead {
                         0 => avx512::Ahead::Off,
                         d => avx512::Ahead::Keys(d),
                     };
                     // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
-                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, keys), sb, BK) };
+                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, keys), sb, step) };
                 } else {
                     // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
-                    unsafe { avx2::qk_dot(qb, rows, n, e, kd, ldk, nk, sb, BK) };
+                    unsafe { avx2::qk_dot(qb, rows, n, e, kd, ldk, nk, sb, step) };
                 }
                 raw_v = Some(vd);
                 (&[][..], NR, ldv)
@@ -511,7 +523,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             online_rows(
                 p,
                 &rows_of,
-                (sb, BK, n),
+                (sb, step, n),
                 (j0, nk, need_causal),
                 (m, lsum, l16, alpha),
             );
@@ -540,12 +552,12 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             #[cfg(target_arch = "x86_64")]
             if pairs_pv {
                 // SAFETY: as at `pack_bf16_rows` above (and AVX512BW, checked there).
-                unsafe { avx512::pv_rows_pairs(sb, n, nk, vd, (ldv, ev), o, evp, alpha) };
+                unsafe { avx512::pv_rows_pairs((sb, step), n, nk, vd, (ldv, ev), o, evp, alpha) };
             } else if raw {
                 // SAFETY: `raw` is only set on the `Isa::Avx512` path.
-                unsafe { avx512::pv_rows(sb, n, nk, vd, (ldv, nvp, ahead), o, evp, alpha) };
+                unsafe { avx512::pv_rows((sb, step), n, nk, vd, (ldv, nvp, ahead), o, evp, alpha) };
             } else {
-                // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path.
+                // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path (`step` is `BK`).
                 unsafe { avx2::pv_rows(sb, n, nk, vd, ldv, evp, o, evp, alpha) };
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -573,7 +585,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
             unsafe {
                 avx512::pv_rows(
-                    sb,
+                    (sb, step),
                     n,
                     nk,
                     super::super::view::Data::F32(vsl),
@@ -590,7 +602,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         } else {
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
         }
-        kb += 1;
+        kb += nk.div_ceil(BK);
     }
     if lanes {
         for (l, lanes) in lsum[..n].iter_mut().zip(l16.chunks_exact(16)) {
@@ -661,8 +673,9 @@ pub(super) fn online_rows(
     // (`avx512::online_rows_lazy`). Measured, alternating binaries: see `NOTES.md`.
     #[cfg(target_arch = "x86_64")]
     if p.isa == Isa::Avx512 {
-        // Callers pass one key block or a pair of them.
-        assert!(nk <= 2 * BK, "{nk} keys: at most two blocks per softmax update");
+        // Callers pass one key block, a pair of them, or a decode block.
+        let most = super::super::decode::DECODE_BK_MAX;
+        assert!(nk <= most, "{nk} keys: at most {most} per softmax update");
         assert!(
             n <= m.len()
                 && 16 * n <= l16.len()
@@ -672,16 +685,22 @@ pub(super) fn online_rows(
         let sp = sb.as_mut_ptr();
         // Only the 16-key chunks that hold keys are computed: a block's tail (5 keys of
         // ViT's 197) takes one chunk, not four.
-        macro_rules! lazy {
-            ($nc:literal) => {
-                avx512::online_rows_lazy::<$nc>(sp, (lds, n, nk), range, (m, l16, alpha))
+        // SAFETY (of each call): `Isa::Avx512` is only selected after detecting AVX-512F
+        // and DQ; the bounds of `sb`, `m`, `l16` and `alpha` are asserted above, and each
+        // call's keys `c0..c0 + c` lie in `0..nk` with `c ≤ 2·BK = 16·8`, as do its rows'
+        // ranges, taken relative to `c0`.
+        let update = |c0: usize, c: usize, (m, l16, alpha): (&mut [f32], &mut [f32], &mut [f32])| {
+            let sub = |r: usize| {
+                let (a, z) = range(r);
+                (a.clamp(c0, c0 + c) - c0, z.clamp(c0, c0 + c) - c0)
             };
-        }
-        // SAFETY: `Isa::Avx512` is only selected after detecting AVX-512F and DQ; the
-        // bounds of `sb`, `m`, `l16` and `alpha` are asserted above, and every range
-        // lies in `0..nk` with `nk ≤ 2·BK = 16·8`.
-        unsafe {
-            match nk.div_ceil(16) {
+            let sp = sp.wrapping_add(c0);
+            macro_rules! lazy {
+                ($nc:literal) => {
+                    unsafe { avx512::online_rows_lazy::<$nc>(sp, (lds, n, c), sub, (m, l16, alpha)) }
+                };
+            }
+            match c.div_ceil(16) {
                 0 | 1 => lazy!(1),
                 2 => lazy!(2),
                 3 => lazy!(3),
@@ -691,7 +710,37 @@ pub(super) fn online_rows(
                 7 => lazy!(7),
                 _ => lazy!(8),
             }
+        };
+        if nk <= 2 * BK {
+            update(0, nk, (m, l16, alpha));
+            return;
         }
+        // A decode block of more keys: updates of 128 keys, one after the other. Where a
+        // later one moves a row's reference (`alpha ≠ 1`, rare once the row has seen
+        // keys), the probabilities the earlier ones wrote are brought to it, and the
+        // row's `alpha` is the product of the updates' (its sums were rescaled by each).
+        assert!(
+            n <= DECODE_MAX_ROWS,
+            "{n} rows: a decode block has at most {DECODE_MAX_ROWS}"
+        );
+        let mut total = [1f32; DECODE_MAX_ROWS];
+        let mut c0 = 0;
+        while c0 < nk {
+            let c = (2 * BK).min(nk - c0);
+            update(c0, c, (&mut *m, &mut *l16, &mut *alpha));
+            for (r, (t, &a)) in total.iter_mut().zip(alpha.iter()).enumerate().take(n) {
+                if a != 1.0 && c0 > 0 {
+                    for j in 0..c0 {
+                        // SAFETY: `r < n` and `j < c0 < nk`, inside `sb` (asserted above);
+                        // written through `sp`, as the updates write.
+                        unsafe { *sp.add(r * lds + j) *= a };
+                    }
+                }
+                *t *= a;
+            }
+            c0 += c;
+        }
+        alpha[..n].copy_from_slice(&total[..n]);
         return;
     }
     // AVX2: all rows of one block in one call, each read into registers

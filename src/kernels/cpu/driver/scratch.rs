@@ -69,6 +69,16 @@ pub(super) fn with_scratch<R>(e: usize, ev: usize, f: impl FnOnce(&mut Scratch) 
     })
 }
 
+/// The scores of an AVX-512 decode block (at most `DECODE_MAX_ROWS` rows of
+/// `DECODE_BK_MAX` keys) fit the scratch's two blocks of `BQ` rows, and a decode block
+/// is whole 64-key blocks (`online_rows` updates 128 keys at a time).
+#[cfg(target_arch = "x86_64")]
+const _SCORES_FIT_DECODE: () = {
+    use super::super::decode::{DECODE_BK_MAX, DECODE_MAX_ROWS};
+    assert!(DECODE_MAX_ROWS * DECODE_BK_MAX <= BQ.div_ceil(ROW_ALIGN) * ROW_ALIGN * 2 * BK);
+    assert!(DECODE_BK_MAX.is_multiple_of(BK));
+};
+
 impl Scratch {
     fn new(e: usize, ev: usize) -> Self {
         let rp = BQ.div_ceil(ROW_ALIGN) * ROW_ALIGN;
@@ -77,7 +87,8 @@ impl Scratch {
             dims: (e, ev),
             q: AlignedBuf::new(rp * e),
             qp: AlignedBuf::new(rp * e),
-            // Two blocks' scores: the AVX-512 path pairs full blocks (`process`).
+            // Two blocks' scores (the AVX-512 path pairs full blocks, `process`), or the
+            // scores of an AVX-512 decode block (`_SCORES_FIT_DECODE` below).
             s: AlignedBuf::new(rp * 2 * BK),
             o: AlignedBuf::new(rp * evp),
             kp: AlignedBuf::new(k_block_len(BK, e)),
