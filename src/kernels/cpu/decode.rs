@@ -9,16 +9,18 @@ use super::view::{Data, View};
 /// Largest padded row count (all query heads × queries of a group) using the decode path.
 pub(crate) const DECODE_MAX_ROWS: usize = 24;
 
-/// Bytes of K (or V) rows per block of the AVX-512 decode kernels that read K/V rows in
-/// place (`driver::block::process`; see [`decode_block_keys`]).
+/// Bytes of K (or V) rows per block of the decode kernels that read K/V rows in place
+/// (AVX-512, and half precision on AVX2; `driver::block::process`; see
+/// [`decode_block_keys`]).
 #[cfg(target_arch = "x86_64")]
 const DECODE_BLOCK_BYTES: usize = 128 << 10;
 
-/// Most keys per AVX-512 decode block: eight of the prefill's 64-key blocks.
+/// Most keys per decode block: eight of the prefill's 64-key blocks.
 #[cfg(target_arch = "x86_64")]
 pub(crate) const DECODE_BK_MAX: usize = 8 * super::tiles::BK;
 
-/// Keys per block of the AVX-512 decode kernels for K/V rows of `row_bytes` bytes (the
+/// Keys per block of the decode kernels that read K/V rows in place (AVX-512, and half
+/// precision on AVX2) for K/V rows of `row_bytes` bytes (the
 /// longer of a K and a V row): as many whole 64-key blocks as fit
 /// [`DECODE_BLOCK_BYTES`], from one to [`DECODE_BK_MAX`] keys' worth of 64 (f32 rows of
 /// 128: 256 keys; bf16 rows of 128: 512). Each block streams its K rows, then its V
@@ -26,10 +28,11 @@ pub(crate) const DECODE_BK_MAX: usize = 8 * super::tiles::BK;
 /// update, the output rescale and the calls between them run once per block, not per
 /// 64 keys. 128 KiB per stream keeps a block's K and V rows within a 512 KiB L2 for the
 /// score strips and `P·V` tiles that read them again. On the Zen 4 VM (2026-12-07, both
-/// threads, in-process probe against 64-key blocks, rate new/old): f32 `decode_b4`'s
-/// shape 1.04–1.06, 4 query rows per KV head over K/V from DRAM 1.10 and from L3
-/// (`decode_gqa`'s shape) 1.19; bf16 1.08–1.10 and 1.32–1.34 (4 rows, DRAM), f16
-/// 1.05 and 1.28–1.32 (kernel notes).
+/// threads, in-process probe against 64-key blocks, rate new/old): `decode_b4`'s shape
+/// f32 1.04–1.10, bf16 1.08–1.17, f16 1.05–1.15; 4 query rows per KV head over K/V
+/// from DRAM f32 1.07–1.10, bf16 1.29–1.34, f16 1.23–1.37, and from L3 (`decode_gqa`'s
+/// shape) 1.12–1.19, 1.33–1.50 and 1.20–1.24. With AVX2 forced there, half precision
+/// read 1.05–1.29 of its rate with 64-key blocks (kernel notes).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn decode_block_keys(row_bytes: usize) -> usize {
     use super::tiles::BK;

@@ -20,9 +20,11 @@
 //!   query rows per group (decode, `G·L` ≤ 24) K/V rows are read straight from the
 //!   source (f32, and f16/bf16 with unit inner stride on AVX2 and AVX-512) or converted
 //!   block by block (f16/bf16 otherwise) and fed to a dot-product score kernel, so each
-//!   K/V row is streamed once per GQA group. When there are fewer
-//!   groups than 2 × threads, the key range is split across items and merged with
-//!   log-sum-exp.
+//!   K/V row is streamed once per GQA group. Where rows are read in place, those blocks
+//!   are longer: 128 KiB of K rows (`decode::decode_block_keys`: 256 keys of f32 rows of
+//!   128, 512 of bf16), so that the kernels switch between the K and V streams less
+//!   often. When there are fewer groups than 2 × threads, the key range is split across
+//!   items and merged with log-sum-exp.
 //! * Register-blocked micro-kernels for `S = Q·Kᵀ` and `O = α·O + P·V`: AVX-512F/DQ
 //!   6×64 tiles (their f32 contraction loops in assembly, `avx512::tile_loop_6x4`) with
 //!   12×32 and smaller ones for the remainders (`avx512`), AVX2+FMA

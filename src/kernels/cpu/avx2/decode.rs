@@ -123,7 +123,7 @@ unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
 
 /// Decode `O = alpha·O + P·V` for the first `live` rows, walking the V rows in key
 /// order, four keys at a time, each over all `ncols` columns (a multiple of 8). `p`: row
-/// stride [`BK`]; V row `j` at element `j * ldv` of `v` (f32, or half precision read in
+/// stride `ldp ≥ nk`; V row `j` at element `j * ldv` of `v` (f32, or half precision read in
 /// place and widened in registers); `o`: row stride `ldo`. Reading each streamed V row
 /// to its end before the next keeps DRAM reads sequential, where the panel kernel
 /// [`pv`] reads 16 columns of every row per pass. With four keys, the rows go in pairs,
@@ -134,7 +134,7 @@ unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
 /// AVX2, FMA and F16C must be available.
 #[allow(clippy::too_many_arguments)]
 pub(in crate::kernels::cpu) unsafe fn pv_rows(
-    p: &[f32],
+    (p, ldp): (&[f32], usize),
     live: usize,
     nk: usize,
     v: Data,
@@ -145,17 +145,17 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     alpha: &[f32],
 ) {
     let (vp, len, kind) = rows_of(v);
-    assert!(BK >= nk && ncols.is_multiple_of(8) && ldo >= ncols && alpha.len() >= live);
-    assert!(live == 0 || p.len() >= (live - 1) * BK + nk);
+    assert!(ldp >= nk && ncols.is_multiple_of(8) && ldo >= ncols && alpha.len() >= live);
+    assert!(live == 0 || p.len() >= (live - 1) * ldp + nk);
     assert!(nk == 0 || ncols == 0 || len >= (nk - 1) * ldv + ncols);
     assert!(live == 0 || o.len() >= (live - 1) * ldo + ncols);
     let (p, o) = (p.as_ptr(), o.as_mut_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match kind {
-            F32 => pv_rows_impl::<F32>(p, live, nk, vp, ldv, ncols, o, ldo, alpha),
-            BF16 => pv_rows_impl::<BF16>(p, live, nk, vp, ldv, ncols, o, ldo, alpha),
-            _ => pv_rows_impl::<F16>(p, live, nk, vp, ldv, ncols, o, ldo, alpha),
+            F32 => pv_rows_impl::<F32>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
+            BF16 => pv_rows_impl::<BF16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
+            _ => pv_rows_impl::<F16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
         }
     }
 }
@@ -210,7 +210,7 @@ unsafe fn madd4(o: *mut f32, p: &[__m256; 4], v: &[__m256; 4]) {
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_rows_impl<const T: u8>(
-    p: *const f32,
+    (p, ldp): (*const f32, usize),
     live: usize,
     nk: usize,
     v: *const u8,
@@ -241,7 +241,7 @@ unsafe fn pv_rows_impl<const T: u8>(
         if t == 4 {
             // Two rows at a time: each V vector is loaded (and widened) once for both.
             while r + 2 <= live {
-                let (a, b) = (p4(p.add(r * BK + j)), p4(p.add((r + 1) * BK + j)));
+                let (a, b) = (p4(p.add(r * ldp + j)), p4(p.add((r + 1) * ldp + j)));
                 let (oa, ob) = (o.add(r * ldo), o.add((r + 1) * ldo));
                 for c in (0..ncols).step_by(8) {
                     let vs = v4::<T>(v, vr + c, ldv);
@@ -254,13 +254,13 @@ unsafe fn pv_rows_impl<const T: u8>(
         for r in r..live {
             let orow = o.add(r * ldo);
             if t == 4 {
-                let pr = p4(p.add(r * BK + j));
+                let pr = p4(p.add(r * ldp + j));
                 for c in (0..ncols).step_by(8) {
                     madd4(orow.add(c), &pr, &v4::<T>(v, vr + c, ldv));
                 }
             } else {
                 for jj in 0..t {
-                    let pj = _mm256_broadcast_ss(&*p.add(r * BK + j + jj));
+                    let pj = _mm256_broadcast_ss(&*p.add(r * ldp + j + jj));
                     for c in (0..ncols).step_by(8) {
                         let vj = load8::<T>(v, vr + jj * ldv + c);
                         _mm256_storeu_ps(orow.add(c), _mm256_fmadd_ps(pj, vj, _mm256_loadu_ps(orow.add(c))));

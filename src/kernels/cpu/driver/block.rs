@@ -298,11 +298,12 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
     let qpk = if strip_q { &qp.as_slice()[..rows * e] } else { qb };
     let kend = khi.div_ceil(BK);
     let mut kb = klo / BK;
-    // Keys per block, and the row stride of its scores: decode on AVX-512 (`raw`) takes
-    // blocks of up to 128 KiB of K rows (`decode_block_keys`), so that it switches
-    // between the K and V streams less often; everything else takes `BK`.
+    // Keys per block, and the row stride of its scores: decode on K/V rows read in place
+    // (`raw`: AVX-512; `raw2`: half precision on AVX2) takes blocks of up to 128 KiB of
+    // K rows (`decode_block_keys`), so that it switches between the K and V streams less
+    // often; everything else takes `BK`.
     #[cfg(target_arch = "x86_64")]
-    let step = if raw {
+    let step = if raw || raw2 {
         super::super::decode::decode_block_keys(e.max(ev) * p.k.data.elem_bytes())
     } else {
         BK
@@ -557,8 +558,8 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 // SAFETY: `raw` is only set on the `Isa::Avx512` path.
                 unsafe { avx512::pv_rows((sb, step), n, nk, vd, (ldv, nvp, ahead), o, evp, alpha) };
             } else {
-                // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path (`step` is `BK`).
-                unsafe { avx2::pv_rows(sb, n, nk, vd, ldv, evp, o, evp, alpha) };
+                // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path.
+                unsafe { avx2::pv_rows((sb, step), n, nk, vd, ldv, evp, o, evp, alpha) };
             }
             #[cfg(not(target_arch = "x86_64"))]
             let _ = vd;
@@ -568,7 +569,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
             unsafe {
                 avx2::pv_rows(
-                    sb,
+                    (sb, step),
                     n,
                     nk,
                     super::super::view::Data::F32(vsl),
@@ -670,53 +671,67 @@ pub(super) fn online_rows(
     let _ = &l16;
 
     // AVX-512: all rows in one call, each kept in registers, rescaled lazily
-    // (`avx512::online_rows_lazy`). Measured, alternating binaries: see `NOTES.md`.
+    // (`avx512::online_rows_lazy`), up to two key blocks per call. AVX2: all rows of one
+    // block in one call, each read into registers (`avx2::online_rows_block`). Measured,
+    // alternating binaries: see `NOTES.md`.
     #[cfg(target_arch = "x86_64")]
-    if p.isa == Isa::Avx512 {
-        // Callers pass one key block, a pair of them, or a decode block.
+    if matches!(p.isa, Isa::Avx512 | Isa::Avx2Fma) {
+        let wide = p.isa == Isa::Avx512;
+        // Keys per call; callers pass one key block, a pair of them (AVX-512), or a
+        // decode block of up to `DECODE_BK_MAX` keys.
+        let per = if wide { 2 * BK } else { BK };
         let most = super::super::decode::DECODE_BK_MAX;
         assert!(nk <= most, "{nk} keys: at most {most} per softmax update");
         assert!(
             n <= m.len()
-                && 16 * n <= l16.len()
+                && n <= lsum.len()
+                && (!wide || 16 * n <= l16.len())
                 && n <= alpha.len()
                 && (n == 0 || sb.len() >= (n - 1) * lds + nk)
         );
+        let len = sb.len();
         let sp = sb.as_mut_ptr();
-        // Only the 16-key chunks that hold keys are computed: a block's tail (5 keys of
-        // ViT's 197) takes one chunk, not four.
-        // SAFETY (of each call): `Isa::Avx512` is only selected after detecting AVX-512F
-        // and DQ; the bounds of `sb`, `m`, `l16` and `alpha` are asserted above, and each
-        // call's keys `c0..c0 + c` lie in `0..nk` with `c ≤ 2·BK = 16·8`, as do its rows'
-        // ranges, taken relative to `c0`.
-        let update = |c0: usize, c: usize, (m, l16, alpha): (&mut [f32], &mut [f32], &mut [f32])| {
-            let sub = |r: usize| {
-                let (a, z) = range(r);
-                (a.clamp(c0, c0 + c) - c0, z.clamp(c0, c0 + c) - c0)
-            };
-            let sp = sp.wrapping_add(c0);
-            macro_rules! lazy {
-                ($nc:literal) => {
-                    unsafe { avx512::online_rows_lazy::<$nc>(sp, (lds, n, c), sub, (m, l16, alpha)) }
+        // The update of keys `c0..c0 + c` (`c ≤ per`), the rows' ranges taken relative to
+        // `c0`. On AVX-512 only the 16-key chunks that hold keys are computed: a block's
+        // tail (5 keys of ViT's 197) takes one chunk, not four.
+        // SAFETY (of each call): the instruction set is only selected after detecting it
+        // (AVX-512F and DQ; AVX2 and FMA); the bounds of `sb`, `m`, the sums and `alpha`
+        // are asserted above (and `online_rows_block` asserts its own), and each call's
+        // keys lie in `0..nk`, as do its rows' ranges.
+        let update =
+            |c0: usize, c: usize, (m, lsum, l16, alpha): (&mut [f32], &mut [f32], &mut [f32], &mut [f32])| {
+                let sub = |r: usize| {
+                    let (a, z) = range(r);
+                    (a.clamp(c0, c0 + c) - c0, z.clamp(c0, c0 + c) - c0)
                 };
-            }
-            match c.div_ceil(16) {
-                0 | 1 => lazy!(1),
-                2 => lazy!(2),
-                3 => lazy!(3),
-                4 => lazy!(4),
-                5 => lazy!(5),
-                6 => lazy!(6),
-                7 => lazy!(7),
-                _ => lazy!(8),
-            }
-        };
-        if nk <= 2 * BK {
-            update(0, nk, (m, l16, alpha));
+                if !wide {
+                    // `sb` from `c0` on, written only through this slice during the call.
+                    let s = unsafe { std::slice::from_raw_parts_mut(sp.add(c0), len - c0) };
+                    return unsafe { avx2::online_rows_block(s, (lds, n, c), sub, (m, lsum, alpha)) };
+                }
+                let sp = sp.wrapping_add(c0);
+                macro_rules! lazy {
+                    ($nc:literal) => {
+                        unsafe { avx512::online_rows_lazy::<$nc>(sp, (lds, n, c), sub, (m, l16, alpha)) }
+                    };
+                }
+                match c.div_ceil(16) {
+                    0 | 1 => lazy!(1),
+                    2 => lazy!(2),
+                    3 => lazy!(3),
+                    4 => lazy!(4),
+                    5 => lazy!(5),
+                    6 => lazy!(6),
+                    7 => lazy!(7),
+                    _ => lazy!(8),
+                }
+            };
+        if nk <= per {
+            update(0, nk, (m, lsum, l16, alpha));
             return;
         }
-        // A decode block of more keys: updates of 128 keys, one after the other. Where a
-        // later one moves a row's reference (`alpha ≠ 1`, rare once the row has seen
+        // A decode block of more keys: updates of `per` keys, one after the other. Where
+        // a later one moves a row's reference (`alpha ≠ 1`, rare once the row has seen
         // keys), the probabilities the earlier ones wrote are brought to it, and the
         // row's `alpha` is the product of the updates' (its sums were rescaled by each).
         assert!(
@@ -726,8 +741,8 @@ pub(super) fn online_rows(
         let mut total = [1f32; DECODE_MAX_ROWS];
         let mut c0 = 0;
         while c0 < nk {
-            let c = (2 * BK).min(nk - c0);
-            update(c0, c, (&mut *m, &mut *l16, &mut *alpha));
+            let c = per.min(nk - c0);
+            update(c0, c, (&mut *m, &mut *lsum, &mut *l16, &mut *alpha));
             for (r, (t, &a)) in total.iter_mut().zip(alpha.iter()).enumerate().take(n) {
                 if a != 1.0 && c0 > 0 {
                     for j in 0..c0 {
@@ -741,15 +756,6 @@ pub(super) fn online_rows(
             c0 += c;
         }
         alpha[..n].copy_from_slice(&total[..n]);
-        return;
-    }
-    // AVX2: all rows of one block in one call, each read into registers
-    // (`avx2::online_rows_block`). Measured, alternating binaries: see `NOTES.md`.
-    #[cfg(target_arch = "x86_64")]
-    if p.isa == Isa::Avx2Fma && nk <= BK {
-        // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`; every range
-        // lies in `0..nk` with `nk ≤ BK`.
-        unsafe { avx2::online_rows_block(sb, (lds, n, nk), range, (m, lsum, alpha)) };
         return;
     }
     for r in 0..n {

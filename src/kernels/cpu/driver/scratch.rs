@@ -69,9 +69,10 @@ pub(super) fn with_scratch<R>(e: usize, ev: usize, f: impl FnOnce(&mut Scratch) 
     })
 }
 
-/// The scores of an AVX-512 decode block (at most `DECODE_MAX_ROWS` rows of
+/// The scores of a decode block (at most `DECODE_MAX_ROWS` rows of
 /// `DECODE_BK_MAX` keys) fit the scratch's two blocks of `BQ` rows, and a decode block
-/// is whole 64-key blocks (`online_rows` updates 128 keys at a time).
+/// is whole 64-key blocks (`online_rows` updates 128 keys at a time on AVX-512, 64 on
+/// AVX2).
 #[cfg(target_arch = "x86_64")]
 const _SCORES_FIT_DECODE: () = {
     use super::super::decode::{DECODE_BK_MAX, DECODE_MAX_ROWS};
@@ -88,7 +89,7 @@ impl Scratch {
             q: AlignedBuf::new(rp * e),
             qp: AlignedBuf::new(rp * e),
             // Two blocks' scores (the AVX-512 path pairs full blocks, `process`), or the
-            // scores of an AVX-512 decode block (`_SCORES_FIT_DECODE` below).
+            // scores of a decode block (`_SCORES_FIT_DECODE` below).
             s: AlignedBuf::new(rp * 2 * BK),
             o: AlignedBuf::new(rp * evp),
             kp: AlignedBuf::new(k_block_len(BK, e)),
