@@ -10,8 +10,7 @@ use super::view::{Data, View};
 pub(crate) const DECODE_MAX_ROWS: usize = 24;
 
 /// Bytes of K (or V) rows per block of the decode kernels that read K/V rows in place
-/// (AVX-512, and half precision on AVX2; `driver::block::process`; see
-/// [`decode_block_keys`]).
+/// (AVX-512 and AVX2; `driver::block::process`; see [`decode_block_keys`]).
 #[cfg(target_arch = "x86_64")]
 const DECODE_BLOCK_BYTES: usize = 128 << 10;
 
@@ -19,8 +18,8 @@ const DECODE_BLOCK_BYTES: usize = 128 << 10;
 #[cfg(target_arch = "x86_64")]
 pub(crate) const DECODE_BK_MAX: usize = 8 * super::tiles::BK;
 
-/// Keys per block of the decode kernels that read K/V rows in place (AVX-512, and half
-/// precision on AVX2) for K/V rows of `row_bytes` bytes (the
+/// Keys per block of the decode kernels that read K/V rows in place (AVX-512 and AVX2)
+/// for K/V rows of `row_bytes` bytes (the
 /// longer of a K and a V row): as many whole 64-key blocks as fit
 /// [`DECODE_BLOCK_BYTES`], from one to [`DECODE_BK_MAX`] keys' worth of 64 (f32 rows of
 /// 128: 256 keys; bf16 rows of 128: 512). Each block streams its K rows, then its V
@@ -32,7 +31,7 @@ pub(crate) const DECODE_BK_MAX: usize = 8 * super::tiles::BK;
 /// f32 1.04–1.10, bf16 1.08–1.17, f16 1.05–1.15; 4 query rows per KV head over K/V
 /// from DRAM f32 1.07–1.10, bf16 1.29–1.34, f16 1.23–1.37, and from L3 (`decode_gqa`'s
 /// shape) 1.12–1.19, 1.33–1.50 and 1.20–1.24. With AVX2 forced there, half precision
-/// read 1.05–1.29 of its rate with 64-key blocks (kernel notes).
+/// read 1.05–1.29 of its rate with 64-key blocks and f32 1.00–1.25 (kernel notes).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn decode_block_keys(row_bytes: usize) -> usize {
     use super::tiles::BK;

@@ -299,11 +299,19 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
     let kend = khi.div_ceil(BK);
     let mut kb = klo / BK;
     // Keys per block, and the row stride of its scores: decode on K/V rows read in place
-    // (`raw`: AVX-512; `raw2`: half precision on AVX2) takes blocks of up to 128 KiB of
-    // K rows (`decode_block_keys`), so that it switches between the K and V streams less
-    // often; everything else takes `BK`.
+    // (`raw`: AVX-512; `raw2`: half precision on AVX2; f32 rows of unit inner stride on
+    // AVX2, which `rows_f32` borrows) takes blocks of up to 128 KiB of K rows
+    // (`decode_block_keys`), so that it switches between the K and V streams less often;
+    // everything else takes `BK` (`rows_f32` converts other rows into a buffer of `BK`).
     #[cfg(target_arch = "x86_64")]
-    let step = if raw || raw2 {
+    let borrowed2 = matches!(src, KvSrc::Rows)
+        && isa == Isa::Avx2Fma
+        && matches!(p.k.data, super::super::view::Data::F32(_))
+        && unit_rows(p)
+        && e.is_multiple_of(K_ALIGN)
+        && ev.is_multiple_of(V_ALIGN);
+    #[cfg(target_arch = "x86_64")]
+    let step = if raw || raw2 || borrowed2 {
         super::super::decode::decode_block_keys(e.max(ev) * p.k.data.elem_bytes())
     } else {
         BK
@@ -514,7 +522,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             }
             KvSrc::Rows => {
                 let (ks, ldk) = rows_f32(&p.k, bb, kvh, j0, nk, e, K_ALIGN, kp.as_mut_slice());
-                isa.qk_dot(qb, rows, n, e, ks, ldk, nk, sb, BK);
+                isa.qk_dot(qb, rows, n, e, ks, ldk, nk, sb, step);
                 let (vs, ldv) = rows_f32(&p.v, bb, kvh, j0, nk, ev, V_ALIGN, vp.as_mut_slice());
                 (vs, NR, ldv)
             }
