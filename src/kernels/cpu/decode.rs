@@ -27,11 +27,11 @@ pub(crate) const DECODE_BK_MAX: usize = 8 * super::tiles::BK;
 /// update, the output rescale and the calls between them run once per block, not per
 /// 64 keys. 128 KiB per stream keeps a block's K and V rows within a 512 KiB L2 for the
 /// score strips and `P·V` tiles that read them again. On the Zen 4 VM (2026-12-07, both
-/// threads, in-process probe against 64-key blocks, rate new/old): `decode_b4`'s shape
-/// f32 1.04–1.10, bf16 1.08–1.17, f16 1.05–1.15; 4 query rows per KV head over K/V
-/// from DRAM f32 1.07–1.10, bf16 1.29–1.34, f16 1.23–1.37, and from L3 (`decode_gqa`'s
-/// shape) 1.12–1.19, 1.33–1.50 and 1.20–1.24. With AVX2 forced there, half precision
-/// read 1.05–1.29 of its rate with 64-key blocks and f32 1.00–1.25 (kernel notes).
+/// threads, in-process probe against 64-key blocks, rate new/old, the geometric mean of
+/// the two orders, the memory in a fast phase): `decode_b4`'s shape f32 1.11, bf16
+/// 1.21, f16 1.16; 4 query rows per KV head over K/V from DRAM 1.20, 1.49 and 1.45, and
+/// from L3 (`decode_gqa`'s shape) 1.11, 1.20 and 1.14. With AVX2 forced there, half
+/// precision read 1.05–1.29 and f32 1.00–1.25 (one order; kernel notes).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn decode_block_keys(row_bytes: usize) -> usize {
     use super::tiles::BK;

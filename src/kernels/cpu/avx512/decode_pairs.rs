@@ -10,19 +10,26 @@
 //! (in-process probe, whole calls, rate new/old; kernel notes), with both threads:
 //! groups of 4 rows 1.03–1.08 with K/V from DRAM (1.08 at E = 64, 1.10 at 256) and
 //! 1.17–1.20 from L3; 8 rows 1.27; 16 rows (4 queries) 1.44. Groups of 3 rows or fewer
-//! ran 0.93–1.01 from DRAM (1.09–1.16 from L3), so they keep the widening kernels
-//! ([`PAIRS_MIN_ROWS`]). Interleaving the V rows costs more than the products save below
-//! 8 rows ([`PAIRS_PV_MIN_ROWS`]).
+//! ran 0.93–1.01 from DRAM (1.09–1.16 from L3), so they kept the widening kernels, and
+//! interleaving the V rows cost more than the products saved below 8 rows. Since the
+//! decode blocks hold 128 KiB of K rows (`decode::decode_block_keys`), groups of 3 rows
+//! take the scores here and groups of 4 the `P·V` too ([`PAIRS_MIN_ROWS`],
+//! [`PAIRS_PV_MIN_ROWS`]; kernel notes).
 
 use super::super::decode::{DECODE_BK_MAX, DECODE_MAX_ROWS};
 use super::*;
 
 /// Fewest live rows in a decode group whose bf16 scores go through [`qk_dot_pairs`].
-pub(in crate::kernels::cpu) const PAIRS_MIN_ROWS: usize = 4;
+/// With the long decode blocks, 3 rows against the widening kernels (Zen 4 VM, both
+/// threads, in-process probe, geometric mean of the two orders): 1.04 with K/V from DRAM
+/// (`1,24,8,1,16384,128`) and 1.23 from L3 (`1,24,8,1,4096,128`); 2 rows 1.02.
+pub(in crate::kernels::cpu) const PAIRS_MIN_ROWS: usize = 3;
 
-/// Fewest live rows in a decode group whose bf16 `P·V` goes through [`pv_rows_pairs`]:
-/// against the scores alone, 1.04–1.17 with 8 or 16 rows and 0.70–0.96 with 2–4.
-pub(in crate::kernels::cpu) const PAIRS_PV_MIN_ROWS: usize = 8;
+/// Fewest live rows in a decode group whose bf16 `P·V` goes through [`pv_rows_pairs`].
+/// With 64-key blocks, against the scores alone: 1.04–1.17 with 8 or 16 rows and
+/// 0.70–0.96 with 2–4. With the long decode blocks (as above): 4 rows 1.00–1.02 from
+/// DRAM and 1.17 from L3 (`decode_gqa`'s shape, two runs), 6 rows 1.12.
+pub(in crate::kernels::cpu) const PAIRS_PV_MIN_ROWS: usize = 4;
 
 /// Whether [`qk_dot_pairs`] takes rows of `e` elements: the head sizes with register
 /// strips.
