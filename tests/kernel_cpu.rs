@@ -867,8 +867,9 @@ fn f32_lazy_rescale_follows_growing_scores() -> Result<()> {
     Ok(())
 }
 
-/// Decode groups on blocks of up to 512 keys (AVX-512 reads K/V rows in place in blocks
-/// of 128 KiB of rows, whose softmax is updated 128 keys at a time): scores that step up
+/// Decode groups on blocks of up to 512 keys (AVX-512 and AVX2 read K/V rows in place in
+/// blocks of 128 KiB of rows, whose softmax is updated 128 keys at a time on AVX-512 and
+/// 64 on AVX2): scores that step up
 /// every 128 keys, slowly (the stale reference is kept) and fast (each 128 keys redo the
 /// row against their own maximum, so the probabilities that the block's earlier updates
 /// wrote are brought to the new reference, and `alpha` multiplies), one key far above

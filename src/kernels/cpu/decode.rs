@@ -19,13 +19,12 @@ const DECODE_BLOCK_BYTES: usize = 128 << 10;
 pub(crate) const DECODE_BK_MAX: usize = 8 * super::tiles::BK;
 
 /// Keys per block of the decode kernels that read K/V rows in place (AVX-512 and AVX2)
-/// for K/V rows of `row_bytes` bytes (the
-/// longer of a K and a V row): as many whole 64-key blocks as fit
-/// [`DECODE_BLOCK_BYTES`], from one to [`DECODE_BK_MAX`] keys' worth of 64 (f32 rows of
-/// 128: 256 keys; bf16 rows of 128: 512). Each block streams its K rows, then its V
-/// rows, so longer blocks switch between the two streams less often, and the softmax
-/// update, the output rescale and the calls between them run once per block, not per
-/// 64 keys. 128 KiB per stream keeps a block's K and V rows within a 512 KiB L2 for the
+/// for K/V rows of `row_bytes` bytes (the longer of a K and a V row): as many whole
+/// 64-key blocks as fit [`DECODE_BLOCK_BYTES`], from one to [`DECODE_BK_MAX`] keys' worth
+/// (f32 rows of 128: 256 keys; bf16 rows of 128: 512). Each block streams its K rows,
+/// then its V rows, so longer blocks switch between the two streams less often, and the
+/// softmax update, the output rescale and the calls between them run once per block,
+/// not per 64 keys. 128 KiB per stream keeps a block's K and V rows within a 512 KiB L2 for the
 /// score strips and `P·V` tiles that read them again. On the Zen 4 VM (2026-12-07, both
 /// threads, in-process probe against 64-key blocks, rate new/old, the geometric mean of
 /// the two orders, the memory in a fast phase): `decode_b4`'s shape f32 1.11, bf16
