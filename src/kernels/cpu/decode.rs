@@ -68,7 +68,7 @@ pub(crate) fn rows_f32<'r, 'd: 'r>(
     let start = src.row_offset(b, kvh, j0);
     let ld = src.strides[2];
     if let Data::F32(data) = src.data {
-        if (src.strides[3] == 1 || width <= 1) && width.is_multiple_of(align) && nk > 0 {
+        if borrows_rows(src, width, align) && nk > 0 {
             let end = start + (nk - 1) * ld + width;
             return (&data[start..end], ld);
         }
@@ -85,6 +85,12 @@ pub(crate) fn rows_f32<'r, 'd: 'r>(
         row[width..].fill(0.0);
     }
     (&buf[..nk * ldb], ldb)
+}
+
+/// Whether [`rows_f32`] borrows rows of `width` elements from `src` (f32 with unit inner
+/// stride, `width` a multiple of `align`) instead of converting them into its buffer.
+pub(crate) fn borrows_rows(src: &View, width: usize, align: usize) -> bool {
+    matches!(src.data, Data::F32(_)) && (src.strides[3] == 1 || width <= 1) && width.is_multiple_of(align)
 }
 
 /// Alignment of V rows for the `O += P·V` kernel (whole panels).

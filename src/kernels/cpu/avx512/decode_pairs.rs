@@ -224,8 +224,13 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
     assert!(nk == 0 || vd.len() >= (nk - 1) * ldv + ev);
     assert!(live == 0 || (ldo >= ev && o.len() >= (live - 1) * ldo + ev));
     // Each live row's probabilities as bf16 pairs (keys `2t` and `2t + 1` in the low and
-    // high halves of `pp[r·DECODE_BK_MAX / 2 + t]`); a missing last key of an odd count is 0.
-    let mut pp = [0u32; DECODE_MAX_ROWS * DECODE_BK_MAX / 2];
+    // high halves of `pp[r·ldpp + t]`, rows of 16 pairs per 32 keys); a missing last key of
+    // an odd count is 0. Left uninitialised: the loop below writes every pair the tiles
+    // read (`t < ⌈nk / 2⌉ ≤ ldpp`), and a decode block of 512 keys would otherwise clear
+    // 24 KB per call.
+    let ldpp = nk.div_ceil(32) * 16;
+    let mut pp = std::mem::MaybeUninit::<[u32; DECODE_MAX_ROWS * DECODE_BK_MAX / 2]>::uninit();
+    let pw = pp.as_mut_ptr() as *mut u32;
     for r in 0..live {
         for c in 0..nk.div_ceil(32) {
             let at = p.as_ptr().add(r * ldp + 32 * c);
@@ -239,7 +244,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
             );
             let packed = _mm512_cvtne2ps_pbh(hi, lo);
             _mm512_storeu_si512(
-                pp.as_mut_ptr().add(r * DECODE_BK_MAX / 2 + 16 * c) as *mut __m512i,
+                pw.add(r * ldpp + 16 * c) as *mut __m512i,
                 std::mem::transmute::<__m512bh, __m512i>(packed),
             );
         }
@@ -248,11 +253,11 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
         vd.as_ptr() as *const u16,
         o.as_mut_ptr(),
         alpha.as_ptr(),
-        pp.as_ptr(),
+        pw as *const u32,
     );
     let args = |r0: usize| {
         (
-            ppp.add(r0 * DECODE_BK_MAX / 2),
+            (ppp.add(r0 * ldpp), ldpp),
             vp,
             ldv,
             nk,
@@ -280,14 +285,24 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows_pairs(
     }
 }
 
-/// `(P pairs of the tile's first row (row stride DECODE_BK_MAX / 2), V, V row stride, key count,
-/// the tile's first output row, output row stride, alpha of the tile's first row)`.
-type PvPairArgs = (*const u32, *const u16, usize, usize, *mut f32, usize, *const f32);
+/// `((P pairs of the tile's first row, their row stride), V, V row stride, key count, the
+/// tile's first output row, output row stride, alpha of the tile's first row)`.
+type PvPairArgs = (
+    (*const u32, usize),
+    *const u16,
+    usize,
+    usize,
+    *mut f32,
+    usize,
+    *const f32,
+);
 
 /// [`pv_rows_pairs`] for a tile of `R` rows × `CH` groups of 32 columns; returns `R`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn pairs_pv_tile<const R: usize, const CH: usize>((pp, v, ldv, nk, o, ldo, al): PvPairArgs) -> usize {
+unsafe fn pairs_pv_tile<const R: usize, const CH: usize>(
+    ((pp, ldpp), v, ldv, nk, o, ldo, al): PvPairArgs,
+) -> usize {
     let mut acc = [[_mm512_setzero_ps(); 16]; R];
     for (r, ar) in acc.iter_mut().enumerate() {
         let a = _mm512_set1_ps(*al.add(r));
@@ -300,9 +315,7 @@ unsafe fn pairs_pv_tile<const R: usize, const CH: usize>((pp, v, ldv, nk, o, ldo
         let (r0, r1) = (v.add(2 * t * ldv), v.add((2 * t + 1) * ldv));
         let two = 2 * t + 1 < nk;
         let pr: [__m512bh; R] = std::array::from_fn(|r| {
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
-                *pp.add(r * DECODE_BK_MAX / 2 + t) as i32
-            ))
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*pp.add(r * ldpp + t) as i32))
         });
         for ch in 0..CH {
             let a = _mm512_loadu_si512(r0.add(32 * ch) as *const __m512i);

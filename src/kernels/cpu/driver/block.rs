@@ -306,10 +306,8 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
     #[cfg(target_arch = "x86_64")]
     let borrowed2 = matches!(src, KvSrc::Rows)
         && isa == Isa::Avx2Fma
-        && matches!(p.k.data, super::super::view::Data::F32(_))
-        && unit_rows(p)
-        && e.is_multiple_of(K_ALIGN)
-        && ev.is_multiple_of(V_ALIGN);
+        && super::super::decode::borrows_rows(&p.k, e, K_ALIGN)
+        && super::super::decode::borrows_rows(&p.v, ev, V_ALIGN);
     #[cfg(target_arch = "x86_64")]
     let step = if raw || raw2 || borrowed2 {
         super::super::decode::decode_block_keys(e.max(ev) * p.k.data.elem_bytes())
