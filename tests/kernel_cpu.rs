@@ -401,6 +401,47 @@ fn decode_split_k() -> Result<()> {
     Ok(())
 }
 
+/// f32 decode groups of 12 to 54 rows (query heads per KV head × queries): AVX-512 reads
+/// f32 K rows in place for up to 48 padded rows, with strips of up to 16 rows in the
+/// lanes from 12 rows on, and takes fewer keys per decode block where 512 would not fit
+/// the score buffer (48 rows of 64); other instruction sets (and half precision, which
+/// `decode_split_k` and `decode_blocks_follow_growing_scores` cover) pack each block from
+/// 25 rows on. Two groups, so the key range is split across threads too; 1100 keys, so a
+/// decode block of 256 or 384 keys ends inside the range and the last tile of 16 keys is
+/// partial. Each with the bottom-right causal rule (a speculative step), a padding mask
+/// with fully masked rows, and K/V as strided views.
+#[test]
+fn decode_groups_of_many_rows() -> Result<()> {
+    let mut rng = Rng(0x1a4e_5eed);
+    let s = 1100;
+    for &(hq, l, e) in &[
+        (4usize, 3usize, 128usize),
+        (8, 2, 64),
+        (4, 4, 128),
+        (16, 1, 256),
+        (4, 6, 64),
+        (7, 4, 128),
+        (8, 4, 64),
+        (4, 11, 128),
+        (8, 6, 64),
+        (6, 9, 32),
+    ] {
+        let mut c = base(1, 2 * hq, 2, l, s, e);
+        run_case(&mut rng, &c)?;
+        c.causal = Some(Causal {
+            offset: (s - l) as isize,
+            window: None,
+        });
+        run_case(&mut rng, &c)?;
+        c.causal = None;
+        c.mask = Some([false, true, false, true]);
+        c.neg_inf = 0.3;
+        c.noncontig = true;
+        run_case(&mut rng, &c)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn fully_masked_rows_are_zero() -> Result<()> {
     let q = Tensor::ones((1, 2, 4, 8), DType::F32, &Device::Cpu)?;
@@ -876,8 +917,9 @@ fn f32_lazy_rescale_follows_growing_scores() -> Result<()> {
 /// the rest in the second 128 keys of a block, and rows whose first visible key lies
 /// inside a block (a sliding window, or an additive mask hiding the first keys). Groups
 /// of 1, 4 and 8 query rows (bf16 groups of 4 and 8 take the pairs products where there
-/// is AVX512-BF16), f32, bf16 and f16, heads of 64 and 128; 1400 keys end in a partial
-/// block. A row's score for key `j` is about `0.125 · e · k_j` nats (queries of ones).
+/// is AVX512-BF16), 16 (f32 scores with the rows in the lanes on AVX-512) and 40 (f32 on
+/// AVX-512: in place, in blocks of 384 keys at heads of 64; packed elsewhere), f32, bf16
+/// and f16, heads of 64 and 128; 1400 keys end in a partial block. A row's score for key `j` is about `0.125 · e · k_j` nats (queries of ones).
 #[test]
 fn decode_blocks_follow_growing_scores() -> Result<()> {
     let mut rng = Rng(0xdec0_b10c);
@@ -902,7 +944,7 @@ fn decode_blocks_follow_growing_scores() -> Result<()> {
                 base + 0.05 * (rng.uniform() - 0.5)
             };
             let (q1, k, v, _) = rescale_case(&mut rng, (1, s, e, e), key, false)?;
-            for g in [1usize, 4, 8] {
+            for g in [1usize, 4, 8, 16, 40] {
                 let q = q1.repeat((1, g, 1, 1))?;
                 // No mask; a window whose first key is 300 (inside the first block); an
                 // additive mask hiding the first 700 keys (inside the second block of
@@ -919,7 +961,14 @@ fn decode_blocks_follow_growing_scores() -> Result<()> {
                     ("window", None, Some(window)),
                     ("masked", Some(&hide), None),
                 ] {
-                    for dtype in [DType::F32, DType::BF16, DType::F16] {
+                    // (Groups of 16 and 40 rows in f32 only: half precision takes the
+                    // same paths there as at 8 rows and at 25.)
+                    let dtypes: &[DType] = if g < 16 {
+                        &[DType::F32, DType::BF16, DType::F16]
+                    } else {
+                        &[DType::F32]
+                    };
+                    for &dtype in dtypes {
                         let (q, k, v) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?, v.to_dtype(dtype)?);
                         let want = reference(&q, &k, &v, mask, c, 0.125)?;
                         for isa in isas() {

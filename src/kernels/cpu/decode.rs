@@ -6,8 +6,30 @@
 use super::tiles::NR;
 use super::view::{Data, View};
 
-/// Largest padded row count (all query heads × queries of a group) using the decode path.
+/// Largest padded row count (all query heads × queries of a group) using the decode path,
+/// but for [`DECODE_MAX_ROWS_LANES`] ([`decode_max_rows`]).
 pub(crate) const DECODE_MAX_ROWS: usize = 24;
+
+/// Largest padded row count on the decode path of AVX-512 with f32 K rows, whose score
+/// strips put up to 16 rows in the lanes (`avx512::decode::qk_lanes`).
+pub(crate) const DECODE_MAX_ROWS_LANES: usize = 48;
+
+/// Largest padded row count of a group that takes the decode path (K/V rows read in
+/// place, no pack), for K rows of `e` elements in `k` on `isa`: [`DECODE_MAX_ROWS_LANES`]
+/// where AVX-512 reads f32 K rows with the rows in the lanes, else [`DECODE_MAX_ROWS`].
+/// Groups with more rows pack each 64-key block (`KvSrc::Stream`). On the Zen 4 VM
+/// (both threads, f32 over 4096 keys, in-process probe, time on the decode path over
+/// time on the pack, each with its fastest kernels): 28 rows 0.839, 32 rows of 128
+/// 0.791–0.804, of 64 0.820, 48 rows 0.921 (kernel notes, "Decode groups of 12 to 48
+/// rows").
+pub(crate) fn decode_max_rows(isa: super::isa::Isa, k: &View, e: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if isa == super::isa::Isa::Avx512 && matches!(k.data, Data::F32(_)) && super::avx512::lanes_head_size(e) {
+        return DECODE_MAX_ROWS_LANES;
+    }
+    let _ = (isa, k, e);
+    DECODE_MAX_ROWS
+}
 
 /// Bytes of K (or V) rows per block of the decode kernels that read K/V rows in place
 /// (AVX-512 and AVX2; `driver::block::process`; see [`decode_block_keys`]).

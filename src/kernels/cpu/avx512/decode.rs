@@ -204,6 +204,13 @@ unsafe fn qk_dot_impl<const T: u8>(
     while r0 < live {
         let (qs, sp) = (q.add(r0 * e), s.add(r0 * lds));
         let rem = live - r0;
+        // Twelve rows or more of f32 keys: up to 16 rows in the lanes (`qk_lanes`).
+        if T == F32 && rem >= LANES_MIN_ROWS && lanes_head_size(e) {
+            let r = rem.min(16);
+            qk_lanes(qs, r, e, (k as *const f32, ldk, nk), sp, lds);
+            r0 += r;
+            continue;
+        }
         // Common head sizes: strips of up to 8 rows (4 with 256 elements), up to 16
         // vectors of Q in registers.
         let r = match e {
@@ -247,6 +254,231 @@ unsafe fn qk_dot_impl<const T: u8>(
     for r in live..rows {
         std::ptr::write_bytes(s.add(r * lds), 0, nk);
     }
+}
+
+/// Fewest live rows that [`qk_dot_impl`] puts in the lanes of one strip ([`qk_lanes`]):
+/// a strip of 12 leaves a quarter of each vector idle. On the Zen 4 VM (both threads,
+/// f32 decode over 4096 keys of 128 from DRAM and L3, in-process probe against the
+/// strips of up to 8 rows, time new/old): 9 rows 0.975, 10 rows 1.042, 12 rows 0.948,
+/// 14 rows 0.946, 16 rows 0.856–0.885 (0.885 at E = 64), 20 rows 0.873 (kernel notes).
+pub(in crate::kernels::cpu) const LANES_MIN_ROWS: usize = 12;
+
+/// Whether [`qk_lanes`] takes rows of `e` elements: a multiple of 16 (its Q transpose)
+/// up to 256 (its Q buffer).
+pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
+    e > 0 && e.is_multiple_of(16) && e <= 256
+}
+
+/// Decode scores of `nr ≤ 16` rows with the rows in the lanes: `Qᵀ` (`e × 16`, rows
+/// `nr..16` zero) is built once, then each tile of 16 keys accumulates
+/// `acc[c] += Qᵀ[x] · K[j + c][x]` over `x < e`, broadcasting each K element from its row
+/// in place (f32, row stride `ldk`), and a 16×16 transpose stores the tile as 16 keys of
+/// each score row (`s`, row stride `lds`).
+///
+/// The strips of [`qk_rows_strip_reg`] put the head dimension in the lanes and reduce
+/// each score across them ([`reduce16`]), which costs about a third of the FMAs again at
+/// E = 128 and two thirds at 64; here no score needs a reduction. Reading 16 K rows at
+/// once, the tiles ask for the next tile's 16 rows as they go (one line per step when
+/// the rows follow each other, `ldk = e`; otherwise all of them before the tile). Without
+/// that, the hardware prefetchers did not follow the 16 interleaved rows from DRAM, and
+/// the kernel took 1.14 of the old time on 16 rows of 128 (kernel notes). One thread, 16
+/// rows of 128 against 256 keys in L2: 100–104 GFLOP/s against 84–86 for two strips of
+/// 8 rows, with a one-core peak of about 117.
+///
+/// # Safety
+/// AVX-512F must be available; `qs` holds `nr` rows of `e` elements
+/// ([`lanes_head_size`]); K rows `0..nk` at `k + j·ldk` hold `e` elements; `s` holds
+/// `nr` rows of stride `lds ≥ nk`.
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_lanes(
+    qs: *const f32,
+    nr: usize,
+    e: usize,
+    (k, ldk, nk): (*const f32, usize, usize),
+    s: *mut f32,
+    lds: usize,
+) {
+    debug_assert!(nr <= 16 && lanes_head_size(e));
+    // Q rows padded to 16 with zeros, then transposed: `qt[x·16 + r]`, written whole for
+    // `x < e` by the transposes (left uninitialised, not cleared: 32 KB per call).
+    let mut qpad = std::mem::MaybeUninit::<[f32; 16 * 256]>::uninit();
+    let qpad = qpad.as_mut_ptr() as *mut f32;
+    std::ptr::copy_nonoverlapping(qs, qpad, nr * e);
+    std::ptr::write_bytes(qpad.add(nr * e), 0, (16 - nr) * e);
+    let mut qt = std::mem::MaybeUninit::<[f32; 16 * 256]>::uninit();
+    let qt = qt.as_mut_ptr() as *mut f32;
+    for x0 in (0..e).step_by(16) {
+        super::transpose16(qpad.add(x0), e, qt.add(x0 * 16), 16);
+    }
+    let (mut tile, mut rows) = ([0f32; 256], [0f32; 256]);
+    let follow = ldk == e;
+    let mut j = 0;
+    while j < nk {
+        let cnt = (nk - j).min(16);
+        // The next tile's rows (past the block's last key too: a prefetch never faults,
+        // and with `ldk = e` the rows after the block are the next block's).
+        let next = k.wrapping_add((j + 16) * ldk);
+        if !follow {
+            for c in 0..16 {
+                prefetch_bytes(next.wrapping_add(c * ldk) as *const u8, e * 4);
+            }
+        }
+        let acc = if cnt == 16 {
+            // SAFETY: 16 rows of `e` elements from `k + j·ldk`, and `e` steps of `qt`.
+            unsafe { lanes_loop_16(k.add(j * ldk), ldk * 4, qt, e / 4, follow.then_some(next)) }
+        } else {
+            // A tail of fewer than 16 keys: the lanes of keys past `nk` repeat the last
+            // key, and their scores are not stored.
+            let kr: [*const f32; 16] = std::array::from_fn(|c| k.add((j + c.min(cnt - 1)) * ldk));
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for x in 0..e {
+                let qv = _mm512_loadu_ps(qt.add(x * 16));
+                for (a, r) in acc.iter_mut().zip(&kr) {
+                    *a = _mm512_fmadd_ps(qv, _mm512_set1_ps(*r.add(x)), *a);
+                }
+            }
+            acc
+        };
+        for (c, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(tile.as_mut_ptr().add(16 * c), *a);
+        }
+        super::transpose16(tile.as_ptr(), 16, rows.as_mut_ptr(), 16);
+        for r in 0..nr {
+            let v = _mm512_loadu_ps(rows.as_ptr().add(16 * r));
+            _mm512_mask_storeu_ps(s.add(r * lds + j), tail_mask_full(cnt), v);
+        }
+        j += 16;
+    }
+}
+
+macro_rules! lanes_step {
+    ($q:literal, $d:literal) => {
+        concat!(
+            "vmovups zmm16, zmmword ptr [{qt} + ",
+            $q,
+            "]\n",
+            "vfmadd231ps zmm0, zmm16, dword ptr [{g0} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm1, zmm16, dword ptr [{g0} + {l} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm2, zmm16, dword ptr [{g0} + {l}*2 + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm3, zmm16, dword ptr [{g0} + {l3} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm4, zmm16, dword ptr [{g1} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm5, zmm16, dword ptr [{g1} + {l} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm6, zmm16, dword ptr [{g1} + {l}*2 + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm7, zmm16, dword ptr [{g1} + {l3} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm8, zmm16, dword ptr [{g2} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm9, zmm16, dword ptr [{g2} + {l} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm10, zmm16, dword ptr [{g2} + {l}*2 + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm11, zmm16, dword ptr [{g2} + {l3} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm12, zmm16, dword ptr [{g3} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm13, zmm16, dword ptr [{g3} + {l} + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm14, zmm16, dword ptr [{g3} + {l}*2 + ",
+            $d,
+            "]{{1to16}}\n",
+            "vfmadd231ps zmm15, zmm16, dword ptr [{g3} + {l3} + ",
+            $d,
+            "]{{1to16}}\n",
+        )
+    };
+}
+
+/// [`qk_lanes`]' tile loop in assembly: `acc[c] = Σ_x qt[x] · k_c[x]` for 16 rows `k_c`
+/// at byte `c·l` from `k`, over `4·n` steps (16 FMAs per step, each with its K element
+/// as a broadcast memory operand, and one load of `qt[x]`, 16 floats). The rows are
+/// addressed from four group pointers and `l`, `2·l`, `3·l`, four steps per pass; in
+/// intrinsics the compiler kept 16 row pointers and reloaded six of them from the stack
+/// at every step. With `next`, each pass also asks for four lines from `next` on (one
+/// per step: the next 16 rows when they follow each other).
+///
+/// # Safety
+/// AVX-512F must be available; the 16 rows hold `4·n` floats each, `qt` `64·n`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn lanes_loop_16(
+    k: *const f32,
+    l: usize,
+    qt: *const f32,
+    n: usize,
+    next: Option<*const f32>,
+) -> [__m512; 16] {
+    let z = _mm512_setzero_ps();
+    let (mut c0, mut c1, mut c2, mut c3, mut c4, mut c5, mut c6, mut c7) = (z, z, z, z, z, z, z, z);
+    let (mut c8, mut c9, mut c10, mut c11, mut c12, mut c13, mut c14, mut c15) = (z, z, z, z, z, z, z, z);
+    if n == 0 {
+        return [z; 16];
+    }
+    let g0 = k as *const u8;
+    // Without `next`, the prefetches ask for the first rows' lines again, in place.
+    let (pf, pfs) = match next {
+        Some(p) => (p as *const u8, 256usize),
+        None => (g0, 0),
+    };
+    // SAFETY: the caller guarantees the rows and `qt`; prefetches never fault.
+    std::arch::asm!(
+        "2:",
+        "prefetcht0 [{pf}]",
+        "prefetcht0 [{pf} + 64]",
+        "prefetcht0 [{pf} + 128]",
+        "prefetcht0 [{pf} + 192]",
+        lanes_step!("0", "0"),
+        lanes_step!("64", "4"),
+        lanes_step!("128", "8"),
+        lanes_step!("192", "12"),
+        "add {g0}, 16",
+        "add {g1}, 16",
+        "add {g2}, 16",
+        "add {g3}, 16",
+        "add {qt}, 256",
+        "add {pf}, {pfs}",
+        "dec {n}",
+        "jnz 2b",
+        g0 = inout(reg) g0 => _,
+        g1 = inout(reg) g0.add(4 * l) => _,
+        g2 = inout(reg) g0.add(8 * l) => _,
+        g3 = inout(reg) g0.add(12 * l) => _,
+        l = in(reg) l,
+        l3 = in(reg) 3 * l,
+        qt = inout(reg) qt => _,
+        pf = inout(reg) pf => _,
+        pfs = in(reg) pfs,
+        n = inout(reg) n => _,
+        out("zmm16") _,
+        inout("zmm0") c0, inout("zmm1") c1, inout("zmm2") c2, inout("zmm3") c3,
+        inout("zmm4") c4, inout("zmm5") c5, inout("zmm6") c6, inout("zmm7") c7,
+        inout("zmm8") c8, inout("zmm9") c9, inout("zmm10") c10, inout("zmm11") c11,
+        inout("zmm12") c12, inout("zmm13") c13, inout("zmm14") c14, inout("zmm15") c15,
+        options(nostack, readonly),
+    );
+    [
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+    ]
 }
 
 /// `(Q strip rows, K base, K row stride, key count, score rows, score row stride, what
@@ -535,33 +767,56 @@ unsafe fn pv_rows_impl<const T: u8>(
 mod tests {
     use super::*;
 
-    /// `qk_dot_raw` against f64 dot products for every live row count of a decode group
-    /// (1..=24, so every score strip and its dispatch arm, f32 strips of one and two rows
-    /// taking each key's sums at once, `per_key_sums`), at the head sizes with
-    /// register strips (64, 128, 256) and one without (80), for f32, bf16 and f16 K rows
-    /// (read in place; bf16 with Q in the split layout), over 70 keys (a tail of 6 after
-    /// 64). Padding rows must get zero scores.
+    /// Whether row `r` of `live` falls in a strip with the rows in the lanes (f32 rows
+    /// of a multiple of 16 up to 256; see `qk_dot_impl`).
+    fn in_lanes(live: usize, r: usize) -> bool {
+        let mut r0 = 0;
+        while live - r0 >= LANES_MIN_ROWS {
+            let n = (live - r0).min(16);
+            if r < r0 + n {
+                return r >= r0;
+            }
+            r0 += n;
+        }
+        false
+    }
 
+    /// `qk_dot_raw` against f64 dot products for every live row count of a decode group
+    /// (1..=48, so every score strip and its dispatch arm, f32 strips of one and two rows
+    /// taking each key's sums at once, `per_key_sums`, and f32 strips of 12 to 16 rows in
+    /// the lanes, `qk_lanes`, alone and after others), at the head sizes with register
+    /// strips (64, 128, 256) and one without (80), for f32, bf16 and f16 K rows (read in
+    /// place; bf16 with Q in the split layout), over 70 keys (a tail of 6 after 64), with
+    /// K rows that follow each other and rows 16 elements apart (f32). Padding rows must
+    /// get zero scores.
     #[test]
     fn decode_scores_match_f64_for_every_strip() {
         if !is_x86_feature_detected!("avx512f") {
             eprintln!("note: no AVX-512F on this machine; decode scores not exercised");
             return;
         }
-        let (nk, lds) = (70usize, 80usize);
+        let nk = 70usize;
         let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
         for e in [64usize, 128, 256, 80] {
             let kf: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
             let kb: Vec<half::bf16> = kf.iter().map(|&x| half::bf16::from_f32(x)).collect();
             let kh: Vec<half::f16> = kf.iter().map(|&x| half::f16::from_f32(x)).collect();
-            for live in 1..=24usize {
+            // The f32 rows again, 16 elements apart (NaN between them).
+            let ldw = e + 16;
+            let mut kwide = vec![f32::NAN; nk * ldw];
+            for (w, r) in kwide.chunks_exact_mut(ldw).zip(kf.chunks_exact(e)) {
+                w[..e].copy_from_slice(r);
+            }
+            for live in 1..=48usize {
                 let rows = live.div_ceil(MR) * MR;
+                // Score rows with room after each, and rows that follow each other.
+                let lds = if live % 2 == 0 { 80 } else { nk };
                 let q: Vec<f32> = (0..rows * e).map(|i| val(i, 11)).collect();
                 // (Every head size here is a multiple of 16, as half-precision rows need.)
-                for dt in 0..3 {
+                for dt in 0..4 {
                     // The K rows each dtype reads, widened exactly, for the reference.
                     let kw: Vec<f64> = match dt {
-                        0 => kf.iter().map(|&x| x as f64).collect(),
+                        0 | 3 => kf.iter().map(|&x| x as f64).collect(),
                         1 => kb.iter().map(|x| x.to_f64()).collect(),
                         _ => kh.iter().map(|x| x.to_f64()).collect(),
                     };
@@ -572,16 +827,17 @@ mod tests {
                         }
                     }
                     let mut s = vec![f32::NAN; rows * lds];
-                    let k = match dt {
-                        0 => Data::F32(&kf),
-                        1 => Data::BF16(&kb),
-                        _ => Data::F16(&kh),
+                    let (k, ldk) = match dt {
+                        0 => (Data::F32(&kf), e),
+                        1 => (Data::BF16(&kb), e),
+                        2 => (Data::F16(&kh), e),
+                        _ => (Data::F32(&kwide), ldw),
                     };
                     // Asking for nothing ahead, for rows ahead, and for lines ahead (past
                     // the last key too).
                     let ahead = [Ahead::Off, Ahead::Keys(8), Ahead::Bytes(256)][live % 3];
                     // SAFETY: AVX-512F detected above.
-                    unsafe { qk_dot_raw(&qk, rows, live, e, k, (e, nk, ahead), &mut s, lds) };
+                    unsafe { qk_dot_raw(&qk, rows, live, e, k, (ldk, nk, ahead), &mut s, lds) };
                     for r in 0..rows {
                         for j in 0..nk {
                             let got = s[r * lds + j] as f64;
@@ -595,8 +851,17 @@ mod tests {
                             let (qr, kr) = (&q[r * e..(r + 1) * e], &kw[j * e..(j + 1) * e]);
                             let want: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b).sum();
                             let mag: f64 = qr.iter().zip(kr).map(|(&a, &b)| (a as f64 * b).abs()).sum();
+                            // A strip in the lanes sums each score in one chain of `e`
+                            // FMAs, as the prefill's tiles do: the bound of recursive
+                            // summation, `e·u` of the magnitudes (u = 2⁻²⁴). The other
+                            // strips sum in 16 lanes and a tree.
+                            let bound = if dt != 1 && dt != 2 && in_lanes(live, r) && e % 16 == 0 {
+                                e as f64 * f64::from(f32::EPSILON) / 2.0
+                            } else {
+                                1e-6
+                            };
                             assert!(
-                                (got - want).abs() <= 1e-6 * mag,
+                                (got - want).abs() <= bound * mag,
                                 "row {r} key {j} (e {e}, live {live}, dtype {dt}): {got} against {want}"
                             );
                         }

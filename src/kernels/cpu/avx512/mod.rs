@@ -32,7 +32,7 @@ mod store;
 mod transpose;
 
 pub(crate) use decode::Ahead;
-pub(super) use decode::{merge_pairs, pv_rows, qk_dot, qk_dot_raw, split_pairs};
+pub(super) use decode::{lanes_head_size, merge_pairs, pv_rows, qk_dot, qk_dot_raw, split_pairs};
 pub(super) use decode_pairs::{
     merge_unpacked, pack_bf16_rows, pairs_head_size, pv_rows_pairs, qk_dot_pairs, PAIRS_MIN_ROWS,
     PAIRS_PV_MIN_ROWS,

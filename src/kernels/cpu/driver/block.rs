@@ -1,6 +1,7 @@
 //! One block of query rows against a key range on the f32 kernels: its rows' visible
 //! keys, the online-softmax update, and the normalised or merged (split-K) output.
 
+use super::super::decode::DECODE_MAX_ROWS_LANES;
 use super::*;
 
 /// Unnormalised partial result of one split-K item.
@@ -308,9 +309,12 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         && isa == Isa::Avx2Fma
         && super::super::decode::borrows_rows(&p.k, e, K_ALIGN)
         && super::super::decode::borrows_rows(&p.v, ev, V_ALIGN);
+    // (At most as many keys as the score buffer holds for these rows: a group of more
+    // than `DECODE_MAX_ROWS` rows of 64 f32 elements would want 512.)
     #[cfg(target_arch = "x86_64")]
     let step = if raw || raw2 || borrowed2 {
         super::super::decode::decode_block_keys(e.max(ev) * p.k.data.elem_bytes())
+            .min(sbuf.as_slice().len() / rows / BK * BK)
     } else {
         BK
     };
@@ -505,6 +509,13 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             }
             KvSrc::Stream => {
                 pack_k(isa, &p.k, bb, kvh, j0, nk, e, kp.as_mut_slice(), tmp);
+                // Asks for the next block's K rows, so that its pack finds them in cache
+                // rather than waiting on memory with the FMA units idle (kernel notes,
+                // "Decode groups of 12 to 48 rows").
+                let j1 = j0 + nk;
+                for j in j1..(j1 + BK).min(khi) {
+                    p.k.prefetch_row(p.k.row_offset(bb, kvh, j), e);
+                }
                 // V rows are read in place where they can be, as on `Packed`.
                 let v_in_place = v_from(j0);
                 if v_in_place.is_some() {
@@ -741,10 +752,10 @@ pub(super) fn online_rows(
         // keys), the probabilities the earlier ones wrote are brought to it, and the
         // row's `alpha` is the product of the updates' (its sums were rescaled by each).
         assert!(
-            n <= DECODE_MAX_ROWS,
-            "{n} rows: a decode block has at most {DECODE_MAX_ROWS}"
+            n <= DECODE_MAX_ROWS_LANES,
+            "{n} rows: a decode block has at most {DECODE_MAX_ROWS_LANES}"
         );
-        let mut total = [1f32; DECODE_MAX_ROWS];
+        let mut total = [1f32; DECODE_MAX_ROWS_LANES];
         let mut c0 = 0;
         while c0 < nk {
             let c = per.min(nk - c0);

@@ -6,7 +6,7 @@
 
 use super::aligned::{AVec, AlignedBuf};
 use super::causal::Causal;
-use super::decode::{rows_f32, DECODE_MAX_ROWS, K_ALIGN, V_ALIGN};
+use super::decode::{decode_max_rows, rows_f32, K_ALIGN, V_ALIGN};
 use super::exp::exp2_scalar;
 use super::isa::Isa;
 use super::pack::{k_block_len, pack_k, pack_v, v_block_len};
@@ -481,7 +481,7 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
                 .is_some_and(|pl| pl.unit == amx::Unit::Tiles && pl.comps == 1);
         #[cfg(not(target_arch = "x86_64"))]
         let tiles = false;
-        let src = if rows_pad <= DECODE_MAX_ROWS && e.is_multiple_of(K_ALIGN) && !tiles {
+        let src = if rows_pad <= decode_max_rows(p.isa, &p.k, e) && e.is_multiple_of(K_ALIGN) && !tiles {
             KvSrc::Rows
         } else {
             KvSrc::Stream
