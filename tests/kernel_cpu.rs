@@ -402,13 +402,14 @@ fn decode_split_k() -> Result<()> {
 }
 
 /// f32 decode groups of 12 to 54 rows (query heads per KV head × queries): AVX-512 reads
-/// f32 K rows in place for up to 48 padded rows, with strips of up to 16 rows in the
-/// lanes from 12 rows on, and takes fewer keys per decode block where 512 would not fit
-/// the score buffer (48 rows of 64); other instruction sets (and half precision, which
-/// `decode_split_k` and `decode_blocks_follow_growing_scores` cover) pack each block from
-/// 25 rows on. Two groups, so the key range is split across threads too; 1100 keys, so a
-/// decode block of 256 or 384 keys ends inside the range and the last tile of 16 keys is
-/// partial. Each with the bottom-right causal rule (a speculative step), a padding mask
+/// f32 K rows in place for up to 48 rows, with strips of up to 16 rows in the lanes from
+/// 12 rows on, and takes fewer keys per decode block where 512 would not fit the score
+/// buffer (48 rows of 64); AVX2 reads them in place for up to 32 rows, with strips of up
+/// to 8 rows in the lanes from 6 rows on; the portable kernel (and half precision, which
+/// `decode_split_k` and `decode_blocks_follow_growing_scores` cover) packs each block
+/// from 25 rows on. Two groups, so the key range is split across threads too; 1100 keys,
+/// so a decode block of 256 or 384 keys ends inside the range and the last tile of 16 or
+/// 8 keys is partial. Each with the bottom-right causal rule (a speculative step), a padding mask
 /// with fully masked rows, and K/V as strided views.
 #[test]
 fn decode_groups_of_many_rows() -> Result<()> {

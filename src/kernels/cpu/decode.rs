@@ -6,26 +6,34 @@
 use super::tiles::NR;
 use super::view::{Data, View};
 
-/// Largest padded row count (all query heads × queries of a group) using the decode path,
-/// but for [`DECODE_MAX_ROWS_LANES`] ([`decode_max_rows`]).
+/// Most rows (all query heads × queries) of a group on the decode path in general
+/// ([`decode_max_rows`]).
 pub(crate) const DECODE_MAX_ROWS: usize = 24;
 
-/// Largest padded row count on the decode path of AVX-512 with f32 K rows, whose score
-/// strips put up to 16 rows in the lanes (`avx512::decode::qk_lanes`).
+/// Most rows of a group on the decode path of AVX-512 with f32 K rows, whose score strips
+/// put up to 16 rows in the lanes (`avx512::decode::qk_lanes`): the most of any case.
 pub(crate) const DECODE_MAX_ROWS_LANES: usize = 48;
 
-/// Largest padded row count of a group that takes the decode path (K/V rows read in
-/// place, no pack), for K rows of `e` elements in `k` on `isa`: [`DECODE_MAX_ROWS_LANES`]
-/// where AVX-512 reads f32 K rows with the rows in the lanes, else [`DECODE_MAX_ROWS`].
-/// Groups with more rows pack each 64-key block (`KvSrc::Stream`). On the Zen 4 VM
-/// (both threads, f32 over 4096 keys, in-process probe, time on the decode path over
-/// time on the pack, each with its fastest kernels): 28 rows 0.839, 32 rows of 128
-/// 0.791–0.804, of 64 0.820, 48 rows 0.921 (kernel notes, "Decode groups of 12 to 48
-/// rows").
+/// Most rows of a group that takes the decode path (K/V rows read in place, no pack),
+/// for K rows of `e` elements in `k` on `isa`. Groups with more rows pack each 64-key
+/// block (`KvSrc::Stream`). Where f32 K rows go through score strips with the rows in
+/// the lanes, the decode path stays faster for more rows: [`DECODE_MAX_ROWS_LANES`] on
+/// AVX-512 and 32 on AVX2; else [`DECODE_MAX_ROWS`]. On the Zen 4 VM (both threads, f32
+/// over 4096 keys, in-process probe, time on the decode path over time on the pack, each
+/// with its fastest kernels): AVX-512 28 rows 0.839, 32 rows of 128 0.791–0.804, of 64
+/// 0.820, 48 rows of 64 0.956 and of 128 0.921; AVX2 (forced) 32 rows 0.818 and 0.832
+/// (64), 36 rows 0.928 and 1.003 (64), 40 rows 0.951, 48 rows of 64 1.087 (kernel notes,
+/// "Decode groups of 12 to 48 rows").
 pub(crate) fn decode_max_rows(isa: super::isa::Isa, k: &View, e: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if isa == super::isa::Isa::Avx512 && matches!(k.data, Data::F32(_)) && super::avx512::lanes_head_size(e) {
-        return DECODE_MAX_ROWS_LANES;
+    if matches!(k.data, Data::F32(_)) {
+        use super::isa::Isa;
+        if isa == Isa::Avx512 && super::avx512::lanes_head_size(e) {
+            return DECODE_MAX_ROWS_LANES;
+        }
+        if isa == Isa::Avx2Fma && super::avx2::lanes_head_size(e) {
+            return 32;
+        }
     }
     let _ = (isa, k, e);
     DECODE_MAX_ROWS

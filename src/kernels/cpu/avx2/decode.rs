@@ -56,6 +56,20 @@ unsafe fn qk_dot_impl<const T: u8>(
     // `PF_KEYS` ahead, which are read once.
     let mut r0 = 0;
     while r0 < live {
+        // Six rows or more of f32 keys: up to 8 rows in the lanes (`qk_lanes`).
+        if T == F32 && live - r0 >= LANES_MIN_ROWS && lanes_head_size(e) {
+            let r = (live - r0).min(8);
+            qk_lanes(
+                q.add(r0 * e),
+                r,
+                e,
+                (k as *const f32, ldk, nk),
+                s.add(r0 * lds),
+                lds,
+            );
+            r0 += r;
+            continue;
+        }
         let r = (live - r0).min(MR);
         let (qs, sp, pf) = (q.add(r0 * e), s.add(r0 * lds), r0 == 0);
         match r {
@@ -68,6 +82,204 @@ unsafe fn qk_dot_impl<const T: u8>(
         }
         r0 += r;
     }
+}
+
+/// Fewest live rows that [`qk_dot_impl`] puts in the lanes of one strip ([`qk_lanes`]):
+/// a strip of 6 leaves a quarter of each vector idle. Measured with
+/// `CANDLE_ATTENTION_ISA=avx2` on the Zen 4 VM, as the Zen 3 VM where AVX2 is the kernel
+/// that runs could not be reached (both threads, f32 decode over 4096 keys of 128 from
+/// DRAM and L3, in-process probe against the strips of up to 6 rows, time new/old): 4
+/// rows 0.829, 5 rows 0.902, 6 rows 0.805, 7 rows 0.767, 8 rows 0.729–0.798, 16 rows
+/// 0.773–0.837, 24 rows 0.845–0.855, 16 rows of 64 0.871–0.897 (kernel notes). Groups of
+/// 4 and 5 rows stay on the strips: they are bound by memory, and the strips' prefetch
+/// was tuned on the Zen 3 VM.
+pub(in crate::kernels::cpu) const LANES_MIN_ROWS: usize = 6;
+
+/// Whether [`qk_lanes`] takes rows of `e` elements: a multiple of 8 (its Q transpose) up
+/// to 256 (its Q buffer).
+pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
+    e > 0 && e.is_multiple_of(8) && e <= 256
+}
+
+/// Decode scores of `nr ≤ 8` rows with the rows in the lanes, as
+/// `avx512::decode::qk_lanes` does with 16: `Qᵀ` (`e × 8`, rows `nr..8` zero) is built
+/// once, then each tile of 8 keys accumulates `acc[c] += Qᵀ[x] · K[j + c][x]` over
+/// `x < e`, broadcasting each K element from its row in place (f32, row stride `ldk`),
+/// and an 8×8 transpose stores the tile as 8 keys of each score row (`s`, row stride
+/// `lds`). The strips of [`qk_dot_strip`] put the head dimension in the lanes and sum
+/// each score across them. The tiles ask for the next tile's rows as they go (two lines
+/// per pass when the rows follow each other, `ldk = e`; otherwise all of them before the
+/// tile). One thread, 16 rows of 128 against 256 keys in L2, AVX2 forced on the Zen 4
+/// VM: 87 GFLOP/s against 75 for the strips (the tiles in intrinsics, with the next
+/// rows asked for before each tile and the scores stored one by one: 72).
+///
+/// # Safety
+/// AVX2 and FMA must be available; `qs` holds `nr` rows of `e` elements
+/// ([`lanes_head_size`]); K rows `0..nk` at `k + j·ldk` hold `e` elements; `s` holds
+/// `nr` rows of stride `lds ≥ nk`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn qk_lanes(
+    qs: *const f32,
+    nr: usize,
+    e: usize,
+    (k, ldk, nk): (*const f32, usize, usize),
+    s: *mut f32,
+    lds: usize,
+) {
+    debug_assert!(nr <= 8 && lanes_head_size(e));
+    // Q rows padded to 8 with zeros, then transposed: `qt[x·8 + r]`, written whole for
+    // `x < e` by the transposes.
+    let mut qpad = std::mem::MaybeUninit::<[f32; 8 * 256]>::uninit();
+    let qpad = qpad.as_mut_ptr() as *mut f32;
+    std::ptr::copy_nonoverlapping(qs, qpad, nr * e);
+    std::ptr::write_bytes(qpad.add(nr * e), 0, (8 - nr) * e);
+    let mut qt = std::mem::MaybeUninit::<[f32; 8 * 256]>::uninit();
+    let qt = qt.as_mut_ptr() as *mut f32;
+    for x0 in (0..e).step_by(8) {
+        super::transpose8(qpad.add(x0), e, qt.add(x0 * 8), 8);
+    }
+    let (mut tile, mut rows) = ([0f32; 64], [0f32; 64]);
+    let follow = ldk == e;
+    let mut j = 0;
+    while j < nk {
+        let cnt = (nk - j).min(8);
+        // The next tile's rows (past the block's last key too: a prefetch never faults).
+        let next = k.wrapping_add((j + 8) * ldk);
+        if !follow {
+            for c in 0..8 {
+                prefetch_bytes(next.wrapping_add(c * ldk) as *const u8, e * 4);
+            }
+        }
+        let acc = if cnt == 8 {
+            // SAFETY: 8 rows of `e` elements from `k + j·ldk`, and `e` steps of `qt`.
+            unsafe { lanes_loop_8(k.add(j * ldk), ldk * 4, qt, e / 4, follow.then_some(next)) }
+        } else {
+            // A tail of fewer than 8 keys: the lanes of keys past `nk` repeat the last
+            // key, and their scores are not stored.
+            let kr: [*const f32; 8] = std::array::from_fn(|c| k.add((j + c.min(cnt - 1)) * ldk));
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for x in 0..e {
+                let qv = _mm256_loadu_ps(qt.add(x * 8));
+                for (a, r) in acc.iter_mut().zip(&kr) {
+                    *a = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(&*r.add(x)), *a);
+                }
+            }
+            acc
+        };
+        for (c, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(tile.as_mut_ptr().add(8 * c), *a);
+        }
+        super::transpose8(tile.as_ptr(), 8, rows.as_mut_ptr(), 8);
+        for r in 0..nr {
+            if cnt == 8 {
+                _mm256_storeu_ps(s.add(r * lds + j), _mm256_loadu_ps(rows.as_ptr().add(8 * r)));
+            } else {
+                std::ptr::copy_nonoverlapping(rows.as_ptr().add(8 * r), s.add(r * lds + j), cnt);
+            }
+        }
+        j += 8;
+    }
+}
+
+macro_rules! lanes_step8 {
+    ($q:literal, $d:literal) => {
+        concat!(
+            "vmovups ymm8, ymmword ptr [{qt} + ",
+            $q,
+            "]\n",
+            "vbroadcastss ymm9, dword ptr [{g0} + ",
+            $d,
+            "]\n",
+            "vbroadcastss ymm10, dword ptr [{g0} + {l} + ",
+            $d,
+            "]\n",
+            "vfmadd231ps ymm0, ymm8, ymm9\n",
+            "vfmadd231ps ymm1, ymm8, ymm10\n",
+            "vbroadcastss ymm11, dword ptr [{g0} + {l}*2 + ",
+            $d,
+            "]\n",
+            "vbroadcastss ymm12, dword ptr [{g0} + {l3} + ",
+            $d,
+            "]\n",
+            "vfmadd231ps ymm2, ymm8, ymm11\n",
+            "vfmadd231ps ymm3, ymm8, ymm12\n",
+            "vbroadcastss ymm9, dword ptr [{g1} + ",
+            $d,
+            "]\n",
+            "vbroadcastss ymm10, dword ptr [{g1} + {l} + ",
+            $d,
+            "]\n",
+            "vfmadd231ps ymm4, ymm8, ymm9\n",
+            "vfmadd231ps ymm5, ymm8, ymm10\n",
+            "vbroadcastss ymm11, dword ptr [{g1} + {l}*2 + ",
+            $d,
+            "]\n",
+            "vbroadcastss ymm12, dword ptr [{g1} + {l3} + ",
+            $d,
+            "]\n",
+            "vfmadd231ps ymm6, ymm8, ymm11\n",
+            "vfmadd231ps ymm7, ymm8, ymm12\n",
+        )
+    };
+}
+
+/// [`qk_lanes`]' tile loop in assembly: `acc[c] = Σ_x qt[x] · k_c[x]` for 8 rows `k_c` at
+/// byte `c·l` from `k`, over `4·n` steps (per step one load of `qt[x]`, 8 floats, and 8
+/// broadcasts and FMAs). The rows are addressed from two group pointers and `l`, `2·l`,
+/// `3·l`, four steps per pass. With `next`, each pass also asks for two lines from `next`
+/// on (the next 8 rows when they follow each other).
+///
+/// # Safety
+/// AVX2 and FMA must be available; the 8 rows hold `4·n` floats each, `qt` `32·n`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn lanes_loop_8(
+    k: *const f32,
+    l: usize,
+    qt: *const f32,
+    n: usize,
+    next: Option<*const f32>,
+) -> [__m256; 8] {
+    let z = _mm256_setzero_ps();
+    let (mut c0, mut c1, mut c2, mut c3, mut c4, mut c5, mut c6, mut c7) = (z, z, z, z, z, z, z, z);
+    if n == 0 {
+        return [z; 8];
+    }
+    let g0 = k as *const u8;
+    // Without `next`, the prefetches ask for the first rows' lines again, in place.
+    let (pf, pfs) = match next {
+        Some(p) => (p as *const u8, 128usize),
+        None => (g0, 0),
+    };
+    // SAFETY: the caller guarantees the rows and `qt`; prefetches never fault.
+    std::arch::asm!(
+        "2:",
+        "prefetcht0 [{pf}]",
+        "prefetcht0 [{pf} + 64]",
+        lanes_step8!("0", "0"),
+        lanes_step8!("32", "4"),
+        lanes_step8!("64", "8"),
+        lanes_step8!("96", "12"),
+        "add {g0}, 16",
+        "add {g1}, 16",
+        "add {qt}, 128",
+        "add {pf}, {pfs}",
+        "dec {n}",
+        "jnz 2b",
+        g0 = inout(reg) g0 => _,
+        g1 = inout(reg) g0.add(4 * l) => _,
+        l = in(reg) l,
+        l3 = in(reg) 3 * l,
+        qt = inout(reg) qt => _,
+        pf = inout(reg) pf => _,
+        pfs = in(reg) pfs,
+        n = inout(reg) n => _,
+        out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _, out("ymm12") _,
+        inout("ymm0") c0, inout("ymm1") c1, inout("ymm2") c2, inout("ymm3") c3,
+        inout("ymm4") c4, inout("ymm5") c5, inout("ymm6") c6, inout("ymm7") c7,
+        options(nostack, readonly),
+    );
+    [c0, c1, c2, c3, c4, c5, c6, c7]
 }
 
 /// Scores of `R` row-major Q rows against `NK` keys of kind `T` per pass (`R·NK ≤ 12`
@@ -269,5 +481,79 @@ unsafe fn pv_rows_impl<const T: u8>(
             }
         }
         j += t;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `qk_dot` on f32 K rows against f64 dot products for every live row count of a
+    /// decode group up to 32 (strips of up to 6 rows below `LANES_MIN_ROWS`, strips of up
+    /// to 8 rows in the lanes from there, alone and after others), at head sizes that are
+    /// multiples of 8 (64, 128, 256, 40), over 70 keys (a tail of 6 after 64), with K
+    /// rows that follow each other and rows 8 elements apart (NaN between them), and score
+    /// rows with room after each and without. A strip in the lanes sums each score in one
+    /// chain of `e` FMAs (the bound of recursive summation, `e·u` of the magnitudes); the
+    /// other strips sum 8 lanes and then the lanes.
+    #[test]
+    fn decode_scores_match_f64_for_every_strip() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("note: no AVX2+FMA on this machine; decode scores not exercised");
+            return;
+        }
+        let nk = 70usize;
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        for e in [64usize, 128, 256, 40] {
+            let kf: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
+            let ldw = e + 8;
+            let mut kwide = vec![f32::NAN; nk * ldw];
+            for (w, r) in kwide.chunks_exact_mut(ldw).zip(kf.chunks_exact(e)) {
+                w[..e].copy_from_slice(r);
+            }
+            for live in 1..=32usize {
+                let rows = live.div_ceil(MR) * MR;
+                let lds = if live % 2 == 0 { 80 } else { nk };
+                let q: Vec<f32> = (0..rows * e).map(|i| val(i, 11)).collect();
+                // Whether row `r` is in a strip in the lanes (see `qk_dot_impl`).
+                let in_lanes = |r: usize| {
+                    let mut r0 = 0;
+                    while live - r0 >= LANES_MIN_ROWS {
+                        let n = (live - r0).min(8);
+                        if r < r0 + n {
+                            return true;
+                        }
+                        r0 += n;
+                    }
+                    false
+                };
+                for (k, ldk) in [(&kf, e), (&kwide, ldw)] {
+                    let mut s = vec![f32::NAN; rows * lds];
+                    // SAFETY: AVX2 and FMA detected above (F16C only for half rows).
+                    unsafe { qk_dot(&q, rows, live, e, Data::F32(k), ldk, nk, &mut s, lds) };
+                    for r in 0..live {
+                        let bound = if in_lanes(r) {
+                            e as f64 * f64::from(f32::EPSILON) / 2.0
+                        } else {
+                            1e-6
+                        };
+                        for j in 0..nk {
+                            let got = s[r * lds + j] as f64;
+                            let (qr, kr) = (&q[r * e..(r + 1) * e], &kf[j * e..(j + 1) * e]);
+                            let want: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                            let mag: f64 = qr
+                                .iter()
+                                .zip(kr)
+                                .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                                .sum();
+                            assert!(
+                                (got - want).abs() <= bound * mag,
+                                "row {r} key {j} (e {e}, live {live}, ldk {ldk}): {got} against {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }

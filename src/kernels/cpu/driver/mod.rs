@@ -472,7 +472,6 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
             }
         }
         items.sort_by_key(|it| std::cmp::Reverse(it.cost));
-        let rows_pad = rows_per_group.div_ceil(ROW_ALIGN) * ROW_ALIGN;
         // bf16 groups of more than `AMX_DECODE_MAX_ROWS` rows run faster on the AMX tiles
         // (`KvSrc::Stream` goes to `process_amx`).
         #[cfg(target_arch = "x86_64")]
@@ -481,7 +480,8 @@ fn work<T: OutElem>(p: &Problem, blocks: &[Block], nbg: usize, slots: &[Mutex<Op
                 .is_some_and(|pl| pl.unit == amx::Unit::Tiles && pl.comps == 1);
         #[cfg(not(target_arch = "x86_64"))]
         let tiles = false;
-        let src = if rows_pad <= decode_max_rows(p.isa, &p.k, e) && e.is_multiple_of(K_ALIGN) && !tiles {
+        let src = if rows_per_group <= decode_max_rows(p.isa, &p.k, e) && e.is_multiple_of(K_ALIGN) && !tiles
+        {
             KvSrc::Rows
         } else {
             KvSrc::Stream
