@@ -12,13 +12,20 @@ pub(crate) const DECODE_MAX_ROWS: usize = 24;
 
 /// Most rows of a group on the decode path of AVX-512 with f32 K rows, whose score strips
 /// put up to 16 rows in the lanes (`avx512::decode::qk_lanes`): the most of any case.
+#[cfg(target_arch = "x86_64")]
 pub(crate) const DECODE_MAX_ROWS_LANES: usize = 48;
+
+/// Most rows of a group on the decode path of AVX2 with f32 K rows, whose score strips
+/// put up to 8 rows in the lanes (`avx2::decode::qk_lanes`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const DECODE_MAX_ROWS_LANES_AVX2: usize = 32;
 
 /// Most rows of a group that takes the decode path (K/V rows read in place, no pack),
 /// for K rows of `e` elements in `k` on `isa`. Groups with more rows pack each 64-key
 /// block (`KvSrc::Stream`). Where f32 K rows go through score strips with the rows in
-/// the lanes, the decode path stays faster for more rows: [`DECODE_MAX_ROWS_LANES`] on
-/// AVX-512 and 32 on AVX2; else [`DECODE_MAX_ROWS`]. On the Zen 4 VM (both threads, f32
+/// the lanes (heads of up to 256), the decode path stays faster for more rows:
+/// [`DECODE_MAX_ROWS_LANES`] on AVX-512 and [`DECODE_MAX_ROWS_LANES_AVX2`] on AVX2; else
+/// [`DECODE_MAX_ROWS`]. On the Zen 4 VM (both threads, f32
 /// over 4096 keys, in-process probe, time on the decode path over time on the pack, each
 /// with its fastest kernels): AVX-512 28 rows 0.839, 32 rows of 128 0.791–0.804, of 64
 /// 0.820, 48 rows of 64 0.956 and of 128 0.921; AVX2 (forced) 32 rows 0.818 and 0.832
@@ -32,7 +39,7 @@ pub(crate) fn decode_max_rows(isa: super::isa::Isa, k: &View, e: usize) -> usize
             return DECODE_MAX_ROWS_LANES;
         }
         if isa == Isa::Avx2Fma && super::avx2::lanes_head_size(e) {
-            return 32;
+            return DECODE_MAX_ROWS_LANES_AVX2;
         }
     }
     let _ = (isa, k, e);

@@ -1,6 +1,7 @@
 //! One block of query rows against a key range on the f32 kernels: its rows' visible
 //! keys, the online-softmax update, and the normalised or merged (split-K) output.
 
+#[cfg(target_arch = "x86_64")]
 use super::super::decode::DECODE_MAX_ROWS_LANES;
 use super::*;
 
