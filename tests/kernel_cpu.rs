@@ -401,10 +401,10 @@ fn decode_split_k() -> Result<()> {
     Ok(())
 }
 
-/// f32 decode groups of 12 to 54 rows (query heads per KV head × queries): AVX-512 reads
+/// f32 decode groups of 7 to 54 rows (query heads per KV head × queries): AVX-512 reads
 /// f32 K rows in place for up to 48 rows, with strips of up to 16 rows in the lanes from
-/// 12 rows on, and takes fewer keys per decode block where 512 would not fit the score
-/// buffer (48 rows of 64); AVX2 reads them in place for up to 32 rows, with strips of up
+/// 12 rows on (and on Zen 4 of up to 8 rows from 7 on), and takes fewer keys per decode
+/// block where 512 would not fit the score buffer (48 rows of 64); AVX2 reads them in place for up to 32 rows, with strips of up
 /// to 8 rows in the lanes from 6 rows on; the portable kernel (and half precision, which
 /// `decode_split_k` and `decode_blocks_follow_growing_scores` cover) packs each block
 /// from 25 rows on. Two groups, so the key range is split across threads too; 1100 keys,
@@ -412,11 +412,14 @@ fn decode_split_k() -> Result<()> {
 /// 8 keys is partial. Each with the bottom-right causal rule (a speculative step), a padding mask
 /// with fully masked rows, and K/V as strided views.
 #[test]
-fn decode_groups_of_many_rows() -> Result<()> {
+fn decode_groups_of_7_to_54_rows() -> Result<()> {
     let mut rng = Rng(0x1a4e_5eed);
     let s = 1100;
     for &(hq, l, e) in &[
-        (4usize, 3usize, 128usize),
+        (7usize, 1usize, 64usize),
+        (8, 1, 128),
+        (5, 2, 128),
+        (4, 3, 128),
         (8, 2, 64),
         (4, 4, 128),
         (16, 1, 256),

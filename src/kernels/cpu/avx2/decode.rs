@@ -121,7 +121,7 @@ pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
 // page by page at every call of `qk_dot_impl`, whatever strips the call takes.)
 #[inline(never)]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn qk_lanes(
+pub(in crate::kernels::cpu) unsafe fn qk_lanes(
     qs: *const f32,
     nr: usize,
     e: usize,

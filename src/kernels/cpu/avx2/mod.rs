@@ -28,7 +28,7 @@ mod softmax;
 mod store;
 mod transpose;
 
-pub(super) use decode::{lanes_head_size, pv_rows, qk_dot};
+pub(super) use decode::{lanes_head_size, pv_rows, qk_dot, qk_lanes};
 pub(crate) use linear::{gemm, GEMM_ROWS};
 pub(super) use products::{pv, qk, qk_softmax};
 pub(super) use softmax::{online_row, online_rows_block};

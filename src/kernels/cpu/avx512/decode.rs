@@ -211,6 +211,16 @@ unsafe fn qk_dot_impl<const T: u8>(
             r0 += r;
             continue;
         }
+        // Seven to eleven on a CPU whose AVX-512 runs as two 256-bit halves: up to 8 rows
+        // in the lanes of the AVX2 strips (`lanes8`).
+        if T == F32 && rem >= LANES8_MIN_ROWS && lanes_head_size(e) && lanes8() {
+            let r = rem.min(8);
+            // SAFETY: `lanes8` found AVX2 and FMA; the rows, keys and scores as for
+            // `qk_lanes` (the caller's bounds).
+            unsafe { super::super::avx2::qk_lanes(qs, r, e, (k as *const f32, ldk, nk), sp, lds) };
+            r0 += r;
+            continue;
+        }
         // Common head sizes: strips of up to 8 rows (4 with 256 elements), up to 16
         // vectors of Q in registers.
         let r = match e {
@@ -262,6 +272,33 @@ unsafe fn qk_dot_impl<const T: u8>(
 /// strips of up to 8 rows, time new/old): 9 rows 0.975, 10 rows 1.042, 12 rows 0.948,
 /// 14 rows 0.946, 16 rows 0.856–0.885 (0.885 at E = 64), 20 rows 0.873 (kernel notes).
 pub(in crate::kernels::cpu) const LANES_MIN_ROWS: usize = 12;
+
+/// Fewest live rows that [`qk_dot_impl`] puts in a strip of 8 rows in the lanes of the
+/// AVX2 strips (`avx2::decode::qk_lanes`, 256-bit vectors) where [`lanes8`] says so. On
+/// the Zen 4 VM (both threads, f32 over 4096 keys, in-process probe against the strips of
+/// up to 8 rows, time new/old): 4 rows 1.134, 5 rows 1.078, 6 rows 0.989, 7 rows
+/// 0.935–0.947, 8 rows 0.819–0.864 (Llama 3 70B's 8 query heads per KV head at one token
+/// 0.864, of 64 0.983), 9 rows 0.888, 10 rows 0.849, 11 rows 0.951, four batch rows of 8
+/// 0.862 (kernel notes).
+pub(in crate::kernels::cpu) const LANES8_MIN_ROWS: usize = 7;
+
+/// Whether groups of [`LANES8_MIN_ROWS`] to 11 f32 rows take the AVX2 strips with 8 rows
+/// in the lanes: on AMD family 25 (Zen 3 has no AVX-512; Zen 4 runs each 512-bit FMA as
+/// two 256-bit halves, so 256-bit FMAs lose nothing), with AVX2 and FMA. Where a CPU
+/// runs 512-bit FMAs at full width (Intel's server cores, Zen 5), 256-bit vectors would
+/// halve the peak; those CPUs were not measured, and keep the strips that reduce across
+/// 16 lanes. Read once per process.
+fn lanes8() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        // CPUID leaf 0: the vendor string, in EBX, EDX, ECX; leaf 1: EAX's family fields.
+        let v = std::arch::x86_64::__cpuid(0);
+        let amd = [v.ebx, v.edx, v.ecx] == [*b"Auth", *b"enti", *b"cAMD"].map(u32::from_le_bytes);
+        let eax = std::arch::x86_64::__cpuid(1).eax;
+        let family = ((eax >> 8) & 0xf) + ((eax >> 20) & 0xff);
+        amd && family == 0x19 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    })
+}
 
 /// Whether [`qk_lanes`] takes rows of `e` elements: a multiple of 16 (its Q transpose)
 /// up to 256 (its Q buffer).
@@ -770,14 +807,26 @@ unsafe fn pv_rows_impl<const T: u8>(
 mod tests {
     use super::*;
 
-    /// Whether row `r` of `live` falls in a strip with the rows in the lanes (f32 rows
-    /// of a multiple of 16 up to 256; see `qk_dot_impl`).
-    fn in_lanes(live: usize, r: usize) -> bool {
+    /// Whether row `r` of `live` falls in a strip with the rows in the lanes, of 16 or
+    /// of 8 (f32 rows of a multiple of 16 up to 256): `qk_dot_impl`'s choice of strips.
+    fn in_lanes(live: usize, e: usize, r: usize) -> bool {
         let mut r0 = 0;
-        while live - r0 >= LANES_MIN_ROWS {
-            let n = (live - r0).min(16);
+        while r0 < live {
+            let rem = live - r0;
+            let (n, lanes) = if rem >= LANES_MIN_ROWS {
+                (rem.min(16), true)
+            } else if rem >= LANES8_MIN_ROWS && lanes8() {
+                (rem.min(8), true)
+            } else {
+                let n = match e {
+                    64 | 128 => rem.min(8),
+                    256 => rem.min(4),
+                    _ => rem.min(MR),
+                };
+                (n, false)
+            };
             if r < r0 + n {
-                return r >= r0;
+                return lanes;
             }
             r0 += n;
         }
@@ -787,7 +836,8 @@ mod tests {
     /// `qk_dot_raw` against f64 dot products for every live row count of a decode group
     /// (1..=48, so every score strip and its dispatch arm, f32 strips of one and two rows
     /// taking each key's sums at once, `per_key_sums`, and f32 strips of 12 to 16 rows in
-    /// the lanes, `qk_lanes`, alone and after others), at the head sizes with register
+    /// the lanes, `qk_lanes`, and on the CPUs of `lanes8` of 7 to 8 rows in the lanes of
+    /// the AVX2 strips, alone and after others), at the head sizes with register
     /// strips (64, 128, 256) and one without (80), for f32, bf16 and f16 K rows (read in
     /// place; bf16 with Q in the split layout), over 70 keys (a tail of 6 after 64), with
     /// K rows that follow each other and rows 16 elements apart (f32). Padding rows must
@@ -858,7 +908,7 @@ mod tests {
                             // FMAs, as the prefill's tiles do: the bound of recursive
                             // summation, `e·u` of the magnitudes (u = 2⁻²⁴). The other
                             // strips sum in 16 lanes and a tree.
-                            let bound = if dt != 1 && dt != 2 && in_lanes(live, r) && e % 16 == 0 {
+                            let bound = if dt != 1 && dt != 2 && in_lanes(live, e, r) && e % 16 == 0 {
                                 e as f64 * f64::from(f32::EPSILON) / 2.0
                             } else {
                                 1e-6
