@@ -111,14 +111,15 @@ pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
 /// per pass when the rows follow each other, `ldk = e`; otherwise all of them before the
 /// tile). One thread, 16 rows of 128 against 256 keys in L2, AVX2 forced on the Zen 4
 /// VM: 87 GFLOP/s against 75 for the strips (the tiles in intrinsics, with the next
-/// rows asked for before each tile and the scores stored one by one: 72).
+/// rows asked for before each tile and the scores stored one by one: 72). AVX-512 takes
+/// these strips too for 7 to 11 rows on Zen 4 (`avx512::decode::lanes8`).
 ///
 /// # Safety
 /// AVX2 and FMA must be available; `qs` holds `nr` rows of `e` elements
 /// ([`lanes_head_size`]); K rows `0..nk` at `k + j·ldk` hold `e` elements; `s` holds
 /// `nr` rows of stride `lds ≥ nk`.
-// (Out of line: its 34 KB of stack, 17 KB on AVX2, would otherwise be probed
-// page by page at every call of `qk_dot_impl`, whatever strips the call takes.)
+// (Out of line: its 17 KB of stack would otherwise be probed page by page at every
+// call of `qk_dot_impl`, whatever strips the call takes.)
 #[inline(never)]
 #[target_feature(enable = "avx2,fma")]
 pub(in crate::kernels::cpu) unsafe fn qk_lanes(

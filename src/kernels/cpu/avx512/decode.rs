@@ -326,8 +326,8 @@ pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
 /// AVX-512F must be available; `qs` holds `nr` rows of `e` elements
 /// ([`lanes_head_size`]); K rows `0..nk` at `k + j·ldk` hold `e` elements; `s` holds
 /// `nr` rows of stride `lds ≥ nk`.
-// (Out of line: its 34 KB of stack, 17 KB on AVX2, would otherwise be probed
-// page by page at every call of `qk_dot_impl`, whatever strips the call takes.)
+// (Out of line: its 34 KB of stack would otherwise be probed page by page at every
+// call of `qk_dot_impl`, whatever strips the call takes.)
 #[inline(never)]
 #[target_feature(enable = "avx512f")]
 unsafe fn qk_lanes(
