@@ -401,15 +401,16 @@ fn decode_split_k() -> Result<()> {
     Ok(())
 }
 
-/// f32 decode groups of 7 to 54 rows (query heads per KV head × queries): AVX-512 reads
+/// f32 decode groups of 7 to 54 rows (query heads per KV head × queries). AVX-512 reads
 /// f32 K rows in place for up to 48 rows, with strips of up to 16 rows in the lanes from
 /// 12 rows on (and on Zen 4 of up to 8 rows from 7 on), and takes fewer keys per decode
-/// block where 512 would not fit the score buffer (48 rows of 64); AVX2 reads them in place for up to 32 rows, with strips of up
-/// to 8 rows in the lanes from 6 rows on; the portable kernel (and half precision, which
-/// `decode_split_k` and `decode_blocks_follow_growing_scores` cover) packs each block
-/// from 25 rows on. Two groups, so the key range is split across threads too; 1100 keys,
-/// so a decode block of 256 or 384 keys ends inside the range and the last tile of 16 or
-/// 8 keys is partial. Each with the bottom-right causal rule (a speculative step), a padding mask
+/// block where 512 would not fit the score buffer (48 rows of 64). AVX2 reads them in
+/// place for up to 32 rows, with strips of up to 8 rows in the lanes from 6 rows on. The
+/// portable kernel (and half precision, which `decode_split_k` and
+/// `decode_blocks_follow_growing_scores` cover) packs each block from 25 rows on. Two
+/// groups, so the key range is split across threads too; 1100 keys, so a decode block
+/// of 256 or 384 keys ends inside the range and the last tile of 16 or 8 keys is
+/// partial. Each with the bottom-right causal rule (a speculative step), a padding mask
 /// with fully masked rows, and K/V as strided views.
 #[test]
 fn decode_groups_of_7_to_54_rows() -> Result<()> {
@@ -921,9 +922,10 @@ fn f32_lazy_rescale_follows_growing_scores() -> Result<()> {
 /// the rest in the second 128 keys of a block, and rows whose first visible key lies
 /// inside a block (a sliding window, or an additive mask hiding the first keys). Groups
 /// of 1, 4 and 8 query rows (bf16 groups of 4 and 8 take the pairs products where there
-/// is AVX512-BF16), 16 (f32 scores with the rows in the lanes on AVX-512) and 40 (f32 on
-/// AVX-512: in place, in blocks of 384 keys at heads of 64; packed elsewhere), f32, bf16
-/// and f16, heads of 64 and 128; 1400 keys end in a partial block. A row's score for key `j` is about `0.125 · e · k_j` nats (queries of ones).
+/// is AVX512-BF16), 16 (f32 scores with the rows in the lanes on AVX-512 and AVX2) and
+/// 40 (f32 on AVX-512: in place, in blocks of 384 keys at heads of 64; packed
+/// elsewhere), f32, bf16 and f16, heads of 64 and 128; 1400 keys end in a partial block.
+/// A row's score for key `j` is about `0.125 · e · k_j` nats (queries of ones).
 #[test]
 fn decode_blocks_follow_growing_scores() -> Result<()> {
     let mut rng = Rng(0xdec0_b10c);
