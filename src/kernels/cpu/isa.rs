@@ -7,6 +7,18 @@ use super::portable;
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512, view};
 
+/// The CPU's vendor string from CPUID leaf 0 (`b"GenuineIntel"`, `b"AuthenticAMD"`, …):
+/// EBX, EDX, ECX in that order.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn cpu_vendor() -> [u8; 12] {
+    let r = std::arch::x86_64::__cpuid(0);
+    let mut v = [0u8; 12];
+    for (c, w) in v.chunks_exact_mut(4).zip([r.ebx, r.edx, r.ecx]) {
+        c.copy_from_slice(&w.to_le_bytes());
+    }
+    v
+}
+
 /// Instruction set used by the micro-kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
@@ -180,5 +192,32 @@ impl Isa {
             return unsafe { avx2::online_row(x, m_old) };
         }
         portable::online_row(x, m_old)
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    /// `cpu_vendor` reads the registers in the order that spells the vendor: on Linux it
+    /// must equal `/proc/cpuinfo`'s `vendor_id` (a swapped register or byte order gives
+    /// `GenuntelineI` or the like).
+    #[test]
+    fn cpu_vendor_matches_proc_cpuinfo() {
+        let v = super::cpu_vendor();
+        let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
+            eprintln!(
+                "note: no /proc/cpuinfo; vendor {:?} not compared",
+                String::from_utf8_lossy(&v)
+            );
+            return;
+        };
+        let want = info
+            .lines()
+            .find_map(|l| l.strip_prefix("vendor_id"))
+            .and_then(|l| l.split(':').nth(1))
+            .map(str::trim);
+        match want {
+            Some(w) => assert_eq!(String::from_utf8_lossy(&v), w),
+            None => eprintln!("note: no vendor_id in /proc/cpuinfo"),
+        }
     }
 }

@@ -39,9 +39,7 @@ pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
 pub fn decode_prefetch_by_default() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        // CPUID leaf 0: the vendor string, in EBX, EDX, ECX.
-        let r = std::arch::x86_64::__cpuid(0);
-        [r.ebx, r.edx, r.ecx] == [*b"Genu", *b"ineI", *b"ntel"].map(u32::from_le_bytes)
+        super::isa::cpu_vendor() == *b"GenuineIntel"
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -291,9 +291,8 @@ pub(in crate::kernels::cpu) const LANES8_MIN_ROWS: usize = 7;
 fn lanes8() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        // CPUID leaf 0: the vendor string, in EBX, EDX, ECX; leaf 1: EAX's family fields.
-        let v = std::arch::x86_64::__cpuid(0);
-        let amd = [v.ebx, v.edx, v.ecx] == [*b"Auth", *b"enti", *b"cAMD"].map(u32::from_le_bytes);
+        let amd = super::super::isa::cpu_vendor() == *b"AuthenticAMD";
+        // CPUID leaf 1: EAX's family fields (base + extended).
         let eax = std::arch::x86_64::__cpuid(1).eax;
         let family = ((eax >> 8) & 0xf) + ((eax >> 20) & 0xff);
         amd && family == 0x19 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
