@@ -688,6 +688,21 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
     }
 }
 
+/// The fewest live f32 rows whose `P·V` ([`pv_rows`]) takes its V rows in chunks of 4
+/// panels (tiles of up to 6 rows × 64 columns) where `nvp ≤ 8`. With whole rows of 8
+/// panels (Ev = 128) the tiles hold 2 rows, so each V row of a decode block was read
+/// `live / 2` times, with 8 loads and 2 broadcasts for every 16 FMAs; in chunks of 4
+/// panels it is read `⌈live / 6⌉` times, with 4 loads and 6 broadcasts for 24 FMAs, and
+/// each output is the same chain of FMAs as before (the same bits). On the Zen 4 VM,
+/// both threads, f32 `1,Hq,8,L,S,128`, time chunked / whole (in-process probe, 16
+/// pairs): Llama 3 8B's heads with 4 speculative tokens over 2048 keys 0.934, 16 rows
+/// over 1024 keys 0.931, 32 rows over 2048 0.955, 48 rows 0.902, and 0.915–0.999 for 12
+/// to 48 rows in earlier readings; four batch rows of 16 rows from DRAM 1.004. From 4 to
+/// 11 rows the readings went both ways (0.885 to 1.066), and on the Intel VM such chunks
+/// were slower from DRAM at 3–8 rows, so those keep whole rows (kernel notes, "`P·V` of
+/// 12 to 48 decode rows in 6-row tiles").
+const PV_CHUNKS_MIN_ROWS_F32: usize = 12;
+
 /// Decode `O = α·O + P·V` for the first `live` rows that walks each V row to its end
 /// before the next, keys in order (see [`qk_dot_impl`] for why): P `live × nk` with row
 /// stride `ldp ≥ nk`; V row `j` at element `j·ldv` of `v` (f32, or half precision read in
@@ -698,9 +713,10 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 /// 2, 4, 8 or 16), the first tile reads the block's V rows in memory order and the later
 /// tiles find them in cache.
 /// Chunks of panels are capped so that tiles hold more rows: at 8 panels for 2 live
-/// rows and at 4 for 3 or more, except for f32 rows with `nvp ≤ 8`, whose chunks stay
-/// whole (from DRAM, f32 rows read in 4-panel chunks ran up to 16% slower on the Intel
-/// VM; kernel notes, "`P·V` tiles of more rows").
+/// rows and at 4 for 3 or more, except for f32 rows with `nvp ≤ 8` and fewer than
+/// [`PV_CHUNKS_MIN_ROWS_F32`] live rows, whose chunks stay whole (from DRAM, f32 rows of
+/// 3–8 live rows read in 4-panel chunks ran up to 16% slower on the Intel VM; kernel
+/// notes, "`P·V` tiles of more rows").
 /// For bf16 rows, the output columns of each whole panel pair (`2m`, `2m + 1 < nvp`)
 /// come out in the split layout of [`split_pairs`]: the caller applies
 /// [`merge_pairs`] once all keys are in.
@@ -748,7 +764,7 @@ unsafe fn pv_rows_impl<const T: u8>(
     // Panel chunks of 16, 8, 4, 2, 1 (even starts, so bf16 pairs stay whole), at most
     // `cap` panels (see `pv_rows`).
     let cap = match live {
-        _ if T == F32 && nvp <= 8 => 16,
+        _ if T == F32 && nvp <= 8 && live < PV_CHUNKS_MIN_ROWS_F32 => 16,
         0 | 1 => 16,
         2 => 8,
         _ => 4,
