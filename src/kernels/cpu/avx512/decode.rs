@@ -691,7 +691,7 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 /// The fewest live f32 rows whose `P·V` ([`pv_rows`]) takes its V rows in chunks of 4
 /// panels (tiles of up to 6 rows × 64 columns) where `nvp ≤ 8`. With whole rows of 8
 /// panels (Ev = 128) the tiles hold 2 rows, so each V row of a decode block was read
-/// `live / 2` times, with 8 loads and 2 broadcasts for every 16 FMAs; in chunks of 4
+/// `⌈live / 2⌉` times, with 8 loads and 2 broadcasts for every 16 FMAs; in chunks of 4
 /// panels it is read `⌈live / 6⌉` times, with 4 loads and 6 broadcasts for 24 FMAs, and
 /// each output is the same chain of FMAs as before (the same bits). On the Zen 4 VM,
 /// both threads, f32 `1,Hq,8,L,S,128`, time chunked / whole (in-process probe, 16
@@ -700,7 +700,9 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 /// to 48 rows in earlier readings; four batch rows of 16 rows from DRAM 1.004. From 4 to
 /// 11 rows the readings went both ways (0.885 to 1.066), and on the Intel VM such chunks
 /// were slower from DRAM at 3–8 rows, so those keep whole rows (kernel notes, "`P·V` of
-/// 12 to 48 decode rows in 6-row tiles").
+/// 12 to 48 decode rows in 6-row tiles"). Not measured on CPUs with full-width 512-bit
+/// FMAs (Intel's server cores, Zen 5), where the 2-row tiles' 10 loads per 16 FMAs would
+/// weigh more, not less.
 const PV_CHUNKS_MIN_ROWS_F32: usize = 12;
 
 /// Decode `O = α·O + P·V` for the first `live` rows that walks each V row to its end
