@@ -701,8 +701,7 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 /// 11 rows the readings went both ways (0.885 to 1.066), and on the Intel VM such chunks
 /// were slower from DRAM at 3–8 rows, so those keep whole rows (kernel notes, "`P·V` of
 /// 12 to 48 decode rows in 6-row tiles"). Not measured on CPUs with full-width 512-bit
-/// FMAs (Intel's server cores, Zen 5), where the 2-row tiles' 10 loads per 16 FMAs would
-/// weigh more, not less.
+/// FMAs (Intel's server cores, Zen 5).
 const PV_CHUNKS_MIN_ROWS_F32: usize = 12;
 
 /// Decode `O = α·O + P·V` for the first `live` rows that walks each V row to its end
