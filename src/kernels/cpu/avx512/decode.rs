@@ -697,11 +697,12 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 /// both threads, f32 `1,Hq,8,L,S,128`, time chunked / whole (in-process probe, 16
 /// pairs): Llama 3 8B's heads with 4 speculative tokens over 2048 keys 0.934, 16 rows
 /// over 1024 keys 0.931, 32 rows over 2048 0.955, 48 rows 0.902, and 0.915–0.999 for 12
-/// to 48 rows in earlier readings; four batch rows of 16 rows from DRAM 1.004. From 4 to
-/// 11 rows the readings went both ways (0.885 to 1.066), and on the Intel VM such chunks
-/// were slower from DRAM at 3–8 rows, so those keep whole rows (kernel notes, "`P·V` of
-/// 12 to 48 decode rows in 6-row tiles"). Not measured on CPUs with full-width 512-bit
-/// FMAs (Intel's server cores, Zen 5).
+/// to 48 rows in earlier readings. With K/V from DRAM (67–134 MB) the readings spread
+/// more, 0.915–1.081 over 10 of them, median about 0.96. From 4 to 11 rows the readings
+/// went both ways (8 rows from DRAM 1.241, 11 rows 0.940), and on the Intel VM chunks
+/// were slower from DRAM at 3–8 rows, so those keep whole rows (kernel notes, "`P·V`
+/// of 12 to 48 decode rows in 6-row tiles"). Not measured on CPUs with full-width
+/// 512-bit FMAs (Intel's server cores, Zen 5).
 const PV_CHUNKS_MIN_ROWS_F32: usize = 12;
 
 /// Decode `O = α·O + P·V` for the first `live` rows that walks each V row to its end
