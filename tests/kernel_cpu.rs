@@ -447,6 +447,37 @@ fn decode_groups_of_7_to_54_rows() -> Result<()> {
     Ok(())
 }
 
+/// f16 groups of 25–32 rows, which stay on the decode path on AVX-512 and AVX2
+/// (`decode::DECODE_MAX_ROWS_F16`), against the reference, with the same three variants
+/// as above.
+#[test]
+fn f16_decode_groups_of_25_to_32_rows() -> Result<()> {
+    let mut rng = Rng(0xf16d_ec0d);
+    let s = 1100;
+    for &(hq, l, e) in &[
+        (5usize, 5usize, 128usize),
+        (7, 4, 128),
+        (8, 4, 64),
+        (4, 8, 256),
+        (4, 7, 32),
+    ] {
+        let mut c = base(1, 2 * hq, 2, l, s, e);
+        c.dtype = DType::F16;
+        run_case(&mut rng, &c)?;
+        c.causal = Some(Causal {
+            offset: (s - l) as isize,
+            window: None,
+        });
+        run_case(&mut rng, &c)?;
+        c.causal = None;
+        c.mask = Some([false, true, false, true]);
+        c.neg_inf = 0.3;
+        c.noncontig = true;
+        run_case(&mut rng, &c)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn fully_masked_rows_are_zero() -> Result<()> {
     let q = Tensor::ones((1, 2, 4, 8), DType::F32, &Device::Cpu)?;

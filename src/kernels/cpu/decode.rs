@@ -20,12 +20,24 @@ pub(crate) const DECODE_MAX_ROWS_LANES: usize = 48;
 #[cfg(target_arch = "x86_64")]
 pub(crate) const DECODE_MAX_ROWS_LANES_AVX2: usize = 32;
 
+/// Most rows of a group on the decode path of AVX-512 and AVX2 with f16 K rows (heads of
+/// up to 256, a multiple of 16 on AVX-512 and of 8 on AVX2). Their score strips put the
+/// head dimension in the lanes, but packing each block converts every K and V element
+/// to f32 first, which took longer up to 32 rows. On the Zen 4 VM (both threads, f16
+/// `1,32,8,L,S,128`, in-process probe, time on the decode path over time on the pack):
+/// AVX-512 28 rows 0.925, 32 rows 0.862–0.874 (S from 2048 to 16384), 40 rows 0.963,
+/// 48 rows 1.046; AVX2 (forced) 28 rows 0.918, 32 rows 0.878 (kernel notes, "f16 decode
+/// groups of 25 to 32 rows"). bf16 keeps [`DECODE_MAX_ROWS`]: on AVX512-BF16 its packed
+/// blocks run on `VDPBF16PS`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const DECODE_MAX_ROWS_F16: usize = 32;
+
 /// Most rows of a group that takes the decode path (K/V rows read in place, no pack),
 /// for K rows of `e` elements in `k` on `isa`. Groups with more rows pack each 64-key
 /// block (`KvSrc::Stream`). Where f32 K rows go through score strips with the rows in
 /// the lanes (heads of up to 256), the decode path stays faster for more rows:
-/// [`DECODE_MAX_ROWS_LANES`] on AVX-512 and [`DECODE_MAX_ROWS_LANES_AVX2`] on AVX2; else
-/// [`DECODE_MAX_ROWS`]. On the Zen 4 VM (both threads, f32
+/// [`DECODE_MAX_ROWS_LANES`] on AVX-512 and [`DECODE_MAX_ROWS_LANES_AVX2`] on AVX2; f16
+/// K rows of such heads stay up to [`DECODE_MAX_ROWS_F16`]; else [`DECODE_MAX_ROWS`]. On the Zen 4 VM (both threads, f32
 /// over 4096 keys, in-process probe, time on the decode path over time on the pack, each
 /// with its fastest kernels): AVX-512 28 rows 0.839, 32 rows of 128 0.791–0.804, of 64
 /// 0.820, 48 rows of 64 0.956 and of 128 0.921; AVX2 (forced) 32 rows 0.818 and 0.832
@@ -40,6 +52,15 @@ pub(crate) fn decode_max_rows(isa: super::isa::Isa, k: &View, e: usize) -> usize
         }
         if isa == Isa::Avx2Fma && super::avx2::lanes_head_size(e) {
             return DECODE_MAX_ROWS_LANES_AVX2;
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if matches!(k.data, Data::F16(_)) {
+        use super::isa::Isa;
+        if (isa == Isa::Avx512 && super::avx512::lanes_head_size(e))
+            || (isa == Isa::Avx2Fma && super::avx2::lanes_head_size(e))
+        {
+            return DECODE_MAX_ROWS_F16;
         }
     }
     let _ = (isa, k, e);

@@ -73,12 +73,14 @@ pub(super) fn with_scratch<R>(e: usize, ev: usize, f: impl FnOnce(&mut Scratch) 
 /// `DECODE_BK_MAX` keys) fit the scratch's two blocks of `BQ` rows, and a decode block
 /// is whole 64-key blocks (`online_rows` updates 128 keys at a time on AVX-512, 64 on
 /// AVX2). Groups of up to `DECODE_MAX_ROWS_LANES` rows take fewer keys per block where
-/// they would not fit (`block::process`), and at least two 64-key blocks fit them.
+/// they would not fit (`block::process`), and at least two 64-key blocks fit them; f16
+/// groups stay within that (`DECODE_MAX_ROWS_F16`).
 #[cfg(target_arch = "x86_64")]
 const _SCORES_FIT_DECODE: () = {
-    use super::super::decode::{DECODE_BK_MAX, DECODE_MAX_ROWS, DECODE_MAX_ROWS_LANES};
+    use super::super::decode::{DECODE_BK_MAX, DECODE_MAX_ROWS, DECODE_MAX_ROWS_F16, DECODE_MAX_ROWS_LANES};
     assert!(DECODE_MAX_ROWS * DECODE_BK_MAX <= BQ.div_ceil(ROW_ALIGN) * ROW_ALIGN * 2 * BK);
     assert!(DECODE_MAX_ROWS_LANES * 2 * BK <= BQ.div_ceil(ROW_ALIGN) * ROW_ALIGN * 2 * BK);
+    assert!(DECODE_MAX_ROWS_F16 <= DECODE_MAX_ROWS_LANES);
     assert!(DECODE_BK_MAX.is_multiple_of(BK));
 };
 
