@@ -37,7 +37,8 @@ pub(crate) const DECODE_MAX_ROWS_F16: usize = 32;
 /// block (`KvSrc::Stream`). Where f32 K rows go through score strips with the rows in
 /// the lanes (heads of up to 256), the decode path stays faster for more rows:
 /// [`DECODE_MAX_ROWS_LANES`] on AVX-512 and [`DECODE_MAX_ROWS_LANES_AVX2`] on AVX2; f16
-/// K rows of such heads stay up to [`DECODE_MAX_ROWS_F16`]; else [`DECODE_MAX_ROWS`]. On the Zen 4 VM (both threads, f32
+/// K rows of such heads stay up to [`DECODE_MAX_ROWS_F16`]; else [`DECODE_MAX_ROWS`].
+/// On the Zen 4 VM (both threads, f32
 /// over 4096 keys, in-process probe, time on the decode path over time on the pack, each
 /// with its fastest kernels): AVX-512 28 rows 0.839, 32 rows of 128 0.791–0.804, of 64
 /// 0.820, 48 rows of 64 0.956 and of 128 0.921; AVX2 (forced) 32 rows 0.818 and 0.832
