@@ -16,7 +16,8 @@ pub(crate) const DECODE_MAX_ROWS: usize = 24;
 pub(crate) const DECODE_MAX_ROWS_LANES: usize = 48;
 
 /// Most rows of a group on the decode path of AVX2 with f32 K rows, whose score strips
-/// put up to 8 rows in the lanes (`avx2::decode::qk_lanes`).
+/// put up to 8 rows in the lanes (`avx2::decode::qk_lanes`), and 16 from 14 rows
+/// (`avx2::decode::qk_lanes16`).
 #[cfg(target_arch = "x86_64")]
 pub(crate) const DECODE_MAX_ROWS_LANES_AVX2: usize = 32;
 

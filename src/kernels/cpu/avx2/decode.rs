@@ -56,6 +56,20 @@ unsafe fn qk_dot_impl<const T: u8>(
     // `PF_KEYS` ahead, which are read once.
     let mut r0 = 0;
     while r0 < live {
+        // Fourteen rows or more of f32 keys: up to 16 rows in the lanes (`qk_lanes16`).
+        if T == F32 && live - r0 >= LANES16_MIN_ROWS && lanes_head_size(e) {
+            let r = (live - r0).min(16);
+            qk_lanes16(
+                q.add(r0 * e),
+                r,
+                e,
+                (k as *const f32, ldk, nk),
+                s.add(r0 * lds),
+                lds,
+            );
+            r0 += r;
+            continue;
+        }
         // Six rows or more of f32 keys: up to 8 rows in the lanes (`qk_lanes`).
         if T == F32 && live - r0 >= LANES_MIN_ROWS && lanes_head_size(e) {
             let r = (live - r0).min(8);
@@ -95,7 +109,14 @@ unsafe fn qk_dot_impl<const T: u8>(
 /// was tuned on the Zen 3 VM.
 pub(in crate::kernels::cpu) const LANES_MIN_ROWS: usize = 6;
 
-/// Whether [`qk_lanes`] takes rows of `e` elements: a multiple of 8 (its Q transpose) up
+/// Fewest live rows that [`qk_dot_impl`] puts in the lanes of a 16-row strip
+/// ([`qk_lanes16`]). Measured with `CANDLE_ATTENTION_ISA=avx2` on the Zen 4 VM (both
+/// threads, f32 decode over K rows of 128, in-process probe against the 8-row strips,
+/// time new/old): 12 rows 1.010–1.041, 13 rows 1.021, 14 rows 0.952, 15 rows 0.940, 16
+/// rows 0.916–0.956 (kernel notes).
+pub(in crate::kernels::cpu) const LANES16_MIN_ROWS: usize = 14;
+
+/// Whether [`qk_lanes`] and [`qk_lanes16`] take rows of `e` elements: a multiple of 8 (its Q transpose) up
 /// to 256 (its Q buffer).
 pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
     e > 0 && e.is_multiple_of(8) && e <= 256
@@ -225,6 +246,185 @@ macro_rules! lanes_step8 {
             "vfmadd231ps ymm7, ymm8, ymm12\n",
         )
     };
+}
+
+/// [`qk_lanes`] for `nr ≤ 16` rows in the lanes of two vectors: `Qᵀ` (`e × 16`, rows
+/// `nr..16` zero) is built once, then each tile of 8 keys runs two passes of 4 keys
+/// ([`lanes_loop_16x4`]), each accumulating `acc[g][c] += Qᵀ[x][8g..8g + 8] · K[j + c][x]`
+/// over `x < e`, and two 8×8 transposes store the tile as 8 keys of each score row. Each
+/// K element broadcast serves 16 rows, where [`qk_lanes`] serves 8: per step 2 loads of
+/// Q and 4 broadcasts for 8 FMAs, against 1 and 8 for 8, so a group of 16 rows reads each
+/// K row once instead of twice. Each score is still one chain of `e` FMAs, so the
+/// scores are those of [`qk_lanes`], bit for bit. The passes ask for the next tile's rows
+/// as they go (one line per pass step when the rows follow each other, `ldk = e`;
+/// otherwise all of them before the tile). AVX2 forced on the Zen 4 VM, both threads,
+/// f32, in-process probe against two 8-row strips (time new/old, 16 pairs): 16 rows over
+/// 2048 keys in L3 0.925, in L2 0.929, from DRAM 0.956 (kernel notes).
+///
+/// # Safety
+/// AVX2 and FMA must be available; `qs` holds `nr` rows of `e` elements
+/// ([`lanes_head_size`]); K rows `0..nk` at `k + j·ldk` hold `e` elements; `s` holds
+/// `nr` rows of stride `lds ≥ nk`.
+// (Out of line, as `qk_lanes`: its 24 KB of stack.)
+#[inline(never)]
+#[target_feature(enable = "avx2,fma")]
+pub(in crate::kernels::cpu) unsafe fn qk_lanes16(
+    qs: *const f32,
+    nr: usize,
+    e: usize,
+    (k, ldk, nk): (*const f32, usize, usize),
+    s: *mut f32,
+    lds: usize,
+) {
+    debug_assert!(nr <= 16 && lanes_head_size(e));
+    // `qt[x·16 + r]`, written whole for `x < e` by the transposes: a group of 8 whole
+    // rows is transposed in place, a partial one from a zero-padded copy.
+    let mut qt = std::mem::MaybeUninit::<[f32; 16 * 256]>::uninit();
+    let qt = qt.as_mut_ptr() as *mut f32;
+    let mut qpad = std::mem::MaybeUninit::<[f32; 8 * 256]>::uninit();
+    let qpad = qpad.as_mut_ptr() as *mut f32;
+    for g in 0..2 {
+        let have = nr.saturating_sub(8 * g).min(8);
+        let src = if have == 8 {
+            qs.add(8 * g * e)
+        } else {
+            std::ptr::copy_nonoverlapping(qs.add(8 * g * e), qpad, have * e);
+            std::ptr::write_bytes(qpad.add(have * e), 0, (8 - have) * e);
+            qpad
+        };
+        for x0 in (0..e).step_by(8) {
+            super::transpose8(src.add(x0), e, qt.add(x0 * 16 + 8 * g), 16);
+        }
+    }
+    // `tile[c·16 + r]`: key `c`'s scores of the 16 rows.
+    let (mut tile, mut rows) = ([0f32; 128], [0f32; 64]);
+    let follow = ldk == e;
+    let mut j = 0;
+    while j < nk {
+        let cnt = (nk - j).min(8);
+        // The next tile's rows (past the block's last key too: a prefetch never faults).
+        let next = k.wrapping_add((j + 8) * ldk);
+        if !follow {
+            for c in 0..8 {
+                prefetch_bytes(next.wrapping_add(c * ldk) as *const u8, e * 4);
+            }
+        }
+        // (A tail of at most 4 keys takes one pass; the lanes of keys past `nk` repeat
+        // the last key, and their scores are not stored.)
+        for half in 0..cnt.div_ceil(4) {
+            let kr: [*const f32; 4] = std::array::from_fn(|c| k.add((j + (4 * half + c).min(cnt - 1)) * ldk));
+            let pf = follow.then(|| next.wrapping_add(4 * half * ldk));
+            // SAFETY: the 4 rows hold `e` floats each and `qt` `16·e`.
+            let acc = unsafe { lanes_loop_16x4(kr, qt, e / 4, pf) };
+            for (c, pair) in acc.chunks_exact(2).enumerate() {
+                let t = tile.as_mut_ptr().add((4 * half + c) * 16);
+                _mm256_storeu_ps(t, pair[0]);
+                _mm256_storeu_ps(t.add(8), pair[1]);
+            }
+        }
+        for g in 0..nr.div_ceil(8) {
+            super::transpose8(tile.as_ptr().add(8 * g), 16, rows.as_mut_ptr(), 8);
+            for r in 0..(nr - 8 * g).min(8) {
+                let sr = s.add((8 * g + r) * lds + j);
+                if cnt == 8 {
+                    _mm256_storeu_ps(sr, _mm256_loadu_ps(rows.as_ptr().add(8 * r)));
+                } else {
+                    std::ptr::copy_nonoverlapping(rows.as_ptr().add(8 * r), sr, cnt);
+                }
+            }
+        }
+        j += 8;
+    }
+}
+
+macro_rules! lanes_step16x4 {
+    ($q:literal, $d:literal) => {
+        concat!(
+            "vmovups ymm8, ymmword ptr [{qt} + ",
+            $q,
+            "]\n",
+            "vmovups ymm9, ymmword ptr [{qt} + ",
+            $q,
+            " + 32]\n",
+            "vbroadcastss ymm10, dword ptr [{k0} + ",
+            $d,
+            "]\n",
+            "vfmadd231ps ymm0, ymm8, ymm10\n",
+            "vfmadd231ps ymm1, ymm9, ymm10\n",
+            "vbroadcastss ymm11, dword ptr [{k1} + ",
+            $d,
+            "]\n",
+            "vfmadd231ps ymm2, ymm8, ymm11\n",
+            "vfmadd231ps ymm3, ymm9, ymm11\n",
+            "vbroadcastss ymm12, dword ptr [{k2} + ",
+            $d,
+            "]\n",
+            "vfmadd231ps ymm4, ymm8, ymm12\n",
+            "vfmadd231ps ymm5, ymm9, ymm12\n",
+            "vbroadcastss ymm13, dword ptr [{k3} + ",
+            $d,
+            "]\n",
+            "vfmadd231ps ymm6, ymm8, ymm13\n",
+            "vfmadd231ps ymm7, ymm9, ymm13\n",
+        )
+    };
+}
+
+/// [`qk_lanes16`]' pass in assembly: `acc[2c + g] = Σ_x qt[x][8g..8g + 8] · k_c[x]` for
+/// the 4 rows `k[c]`, over `4·n` steps (per step two loads of `qt[x]`, 16 floats, and 4
+/// broadcasts and 8 FMAs), four steps per loop. With `next`, each loop also asks for
+/// one line from `next` on (the next rows, when they follow each other).
+///
+/// # Safety
+/// AVX2 and FMA must be available; the 4 rows hold `4·n` floats each, `qt` `64·n`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn lanes_loop_16x4(
+    k: [*const f32; 4],
+    qt: *const f32,
+    n: usize,
+    next: Option<*const f32>,
+) -> [__m256; 8] {
+    let z = _mm256_setzero_ps();
+    let (mut c0, mut c1, mut c2, mut c3, mut c4, mut c5, mut c6, mut c7) = (z, z, z, z, z, z, z, z);
+    if n == 0 {
+        return [z; 8];
+    }
+    // Without `next`, the prefetches ask for the first row's line again, in place.
+    let (pf, pfs) = match next {
+        Some(p) => (p as *const u8, 64usize),
+        None => (k[0] as *const u8, 0),
+    };
+    // SAFETY: the caller guarantees the rows and `qt`; prefetches never fault.
+    std::arch::asm!(
+        "2:",
+        "prefetcht0 [{pf}]",
+        lanes_step16x4!("0", "0"),
+        lanes_step16x4!("64", "4"),
+        lanes_step16x4!("128", "8"),
+        lanes_step16x4!("192", "12"),
+        "add {k0}, 16",
+        "add {k1}, 16",
+        "add {k2}, 16",
+        "add {k3}, 16",
+        "add {qt}, 256",
+        "add {pf}, {pfs}",
+        "dec {n}",
+        "jnz 2b",
+        k0 = inout(reg) k[0] => _,
+        k1 = inout(reg) k[1] => _,
+        k2 = inout(reg) k[2] => _,
+        k3 = inout(reg) k[3] => _,
+        qt = inout(reg) qt => _,
+        pf = inout(reg) pf => _,
+        pfs = in(reg) pfs,
+        n = inout(reg) n => _,
+        out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _, out("ymm12") _, out("ymm13") _,
+        inout("ymm0") c0, inout("ymm1") c1, inout("ymm2") c2, inout("ymm3") c3,
+        inout("ymm4") c4, inout("ymm5") c5, inout("ymm6") c6, inout("ymm7") c7,
+        options(nostack, readonly),
+    );
+    [c0, c1, c2, c3, c4, c5, c6, c7]
 }
 
 /// [`qk_lanes`]' tile loop in assembly: `acc[c] = Σ_x qt[x] · k_c[x]` for 8 rows `k_c` at
@@ -494,21 +694,24 @@ mod tests {
 
     /// `qk_dot` on f32 K rows against f64 dot products for every live row count of a
     /// decode group up to 32 (strips of up to 6 rows below `LANES_MIN_ROWS`, strips of up
-    /// to 8 rows in the lanes from there, alone and after others), at head sizes that are
-    /// multiples of 8 (64, 128, 256, 40), over 70 keys (a tail of 6 after 64), with K
-    /// rows that follow each other and rows 8 elements apart (NaN between them), and score
-    /// rows with room after each and without. A strip in the lanes sums each score in one
-    /// chain of `e` FMAs (the bound of recursive summation, `e·u` of the magnitudes); the
-    /// other strips sum 8 lanes and then the lanes.
+    /// to 8 rows in the lanes from there and of up to 16 from `LANES16_MIN_ROWS`, alone
+    /// and after others), at head sizes that are multiples of 8 (64, 128, 256, 40), over
+    /// 70 and 67 keys (tails of 6 and 3 after 64), with K rows that follow each other and
+    /// rows 8 elements apart (NaN between them), and score rows with room after each and
+    /// without. A strip in the lanes sums each score in one chain of `e` FMAs (the bound
+    /// of recursive summation, `e·u` of the magnitudes); the other strips sum 8 lanes and
+    /// then the lanes. Nothing outside the live rows' first `nk` scores is written.
     #[test]
     fn decode_scores_match_f64_for_every_strip() {
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
             eprintln!("note: no AVX2+FMA on this machine; decode scores not exercised");
             return;
         }
-        let nk = 70usize;
         let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
-        for e in [64usize, 128, 256, 40] {
+        for (nk, e) in [70usize, 67]
+            .into_iter()
+            .flat_map(|nk| [64usize, 128, 256, 40].map(|e| (nk, e)))
+        {
             let kf: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
             let ldw = e + 8;
             let mut kwide = vec![f32::NAN; nk * ldw];
@@ -523,7 +726,7 @@ mod tests {
                 let in_lanes = |r: usize| {
                     let mut r0 = 0;
                     while live - r0 >= LANES_MIN_ROWS {
-                        let n = (live - r0).min(8);
+                        let n = (live - r0).min(if live - r0 >= LANES16_MIN_ROWS { 16 } else { 8 });
                         if r < r0 + n {
                             return true;
                         }
@@ -535,6 +738,13 @@ mod tests {
                     let mut s = vec![f32::NAN; rows * lds];
                     // SAFETY: AVX2 and FMA detected above (F16C only for half rows).
                     unsafe { qk_dot(&q, rows, live, e, Data::F32(k), ldk, nk, &mut s, lds) };
+                    for (i, x) in s.iter().enumerate() {
+                        let (r, j) = (i / lds, i % lds);
+                        assert!(
+                            r < live && j < nk || x.is_nan(),
+                            "row {r} key {j} written (e {e}, live {live}, nk {nk}, ldk {ldk})"
+                        );
+                    }
                     for r in 0..live {
                         let bound = if in_lanes(r) {
                             e as f64 * f64::from(f32::EPSILON) / 2.0
@@ -552,7 +762,7 @@ mod tests {
                                 .sum();
                             assert!(
                                 (got - want).abs() <= bound * mag,
-                                "row {r} key {j} (e {e}, live {live}, ldk {ldk}): {got} against {want}"
+                                "row {r} key {j} (e {e}, live {live}, nk {nk}, ldk {ldk}): {got} against {want}"
                             );
                         }
                     }
