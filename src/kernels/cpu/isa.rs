@@ -154,6 +154,10 @@ impl Isa {
         }
     }
 
+    /// Decode scores of the `live` rows against K rows read in place (see
+    /// `portable::qk_dot`). `v`, the block's V rows (rows, row stride, row length), may
+    /// be asked for into the L2 while the scores run; returns whether they were (AVX2's
+    /// strips of 16 rows, `avx2::qk_dot`).
     #[allow(clippy::too_many_arguments)]
     #[inline]
     pub(super) fn qk_dot(
@@ -167,19 +171,22 @@ impl Isa {
         nk: usize,
         s: &mut [f32],
         lds: usize,
-    ) {
+        v: Option<(&[f32], usize, usize)>,
+    ) -> bool {
         #[cfg(target_arch = "x86_64")]
         if self == Isa::Avx512 {
             // SAFETY: `Isa::Avx512` only reaches the kernel after `is_supported()`.
-            return unsafe { avx512::qk_dot(q, rows, live, e, k, ldk, nk, s, lds) };
+            unsafe { avx512::qk_dot(q, rows, live, e, k, ldk, nk, s, lds) };
+            return false;
         }
         #[cfg(target_arch = "x86_64")]
         if self == Isa::Avx2Fma {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
-            return unsafe { avx2::qk_dot(q, rows, live, e, view::Data::F32(k), ldk, nk, s, lds) };
+            return unsafe { avx2::qk_dot(q, rows, live, e, view::Data::F32(k), ldk, nk, s, lds, v) };
         }
-        let _ = rows; // the padding rows are not scored
-        portable::qk_dot(q, live, e, k, ldk, nk, s, lds)
+        let _ = (rows, v); // the padding rows are not scored; no V rows are asked for
+        portable::qk_dot(q, live, e, k, ldk, nk, s, lds);
+        false
     }
 
     /// Online-softmax update of one score row; see `avx2::online_row`. (AVX-512 updates

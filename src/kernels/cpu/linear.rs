@@ -136,7 +136,9 @@ fn linear_in_place_on(selected: Isa, x: &Tensor, w: &Tensor, b: Option<&Tensor>)
                                 avx512::qk_dot_raw(&q, padded, rows, inp, k, (inp, nk, ahead), sj, n)
                             }
                             // `reads_in_place` admits only these two.
-                            _ => avx2::qk_dot(&q, padded, rows, inp, k, inp, nk, sj, n),
+                            _ => {
+                                avx2::qk_dot(&q, padded, rows, inp, k, inp, nk, sj, n, None);
+                            }
                         }
                     }
                     j += nk;

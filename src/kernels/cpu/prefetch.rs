@@ -31,6 +31,23 @@ pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
     }
 }
 
+/// Asks for the cache lines of `bytes` bytes from `p` into the L2 (`prefetcht1`), as
+/// [`prefetch_bytes`] does into the L1.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn prefetch_bytes_l2(p: *const u8, bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    let mut b = 0;
+    while b < bytes {
+        // SAFETY: as in `prefetch_bytes`.
+        #[allow(unused_unsafe)]
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T1>((p as *const i8).wrapping_add(b))
+        };
+        b += 64;
+    }
+}
+
 /// Whether the AVX-512 decode kernels ask for K/V rows ahead (and the projection
 /// product for weight lines) when `CANDLE_ATTENTION_DECODE_PREFETCH` does not say
 /// (`1` on, `0` off; read once per process, at the first use): on Intel CPUs, where it

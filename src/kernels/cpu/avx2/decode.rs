@@ -8,6 +8,11 @@ use super::*;
 /// multiple of [`MR`] and `e` a multiple of 8. `k` holds f32, bf16 or f16 rows (half
 /// precision is read in place and widened in registers).
 ///
+/// `v`: the block's f32 V rows (`(rows, row stride, row length)`, one per key), for the
+/// strips of 16 rows in the lanes ([`qk_lanes16`]) to ask for into the L2 while they
+/// run. Returns whether they did, that is whether [`pv_rows`] may take its register
+/// tiles ([`pv_rows`]' `tiles`).
+///
 /// # Safety
 /// AVX2, FMA and F16C must be available.
 #[allow(clippy::too_many_arguments)]
@@ -21,20 +26,27 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot(
     nk: usize,
     s: &mut [f32],
     lds: usize,
-) {
+    v: Option<(&[f32], usize, usize)>,
+) -> bool {
     let (kp, len, kind) = rows_of(k);
     assert!(
         rows.is_multiple_of(MR) && live <= rows && e.is_multiple_of(8) && lds >= nk && q.len() >= rows * e
     );
     assert!(nk == 0 || len >= (nk - 1) * ldk + e);
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
+    // (Only asked for, never read: a prefetch cannot fault, but the rows must be there
+    // for `pv_rows` anyway.)
+    let v = v.map(|(vs, ldv, ev)| {
+        assert!(nk == 0 || vs.len() >= (nk - 1) * ldv + ev);
+        (vs.as_ptr(), ldv, ev)
+    });
     let (q, s) = (q.as_ptr(), s.as_mut_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match kind {
-            F32 => qk_dot_impl::<F32>(q, live, e, kp, ldk, nk, s, lds),
-            BF16 => qk_dot_impl::<BF16>(q, live, e, kp, ldk, nk, s, lds),
-            _ => qk_dot_impl::<F16>(q, live, e, kp, ldk, nk, s, lds),
+            F32 => qk_dot_impl::<F32>(q, live, e, kp, ldk, nk, s, lds, v),
+            BF16 => qk_dot_impl::<BF16>(q, live, e, kp, ldk, nk, s, lds, None),
+            _ => qk_dot_impl::<F16>(q, live, e, kp, ldk, nk, s, lds, None),
         }
     }
 }
@@ -50,13 +62,16 @@ unsafe fn qk_dot_impl<const T: u8>(
     nk: usize,
     s: *mut f32,
     lds: usize,
-) {
+    v: Option<(*const f32, usize, usize)>,
+) -> bool {
     // Strips of up to `MR` live rows; padding rows are skipped (decode has few live
     // rows: one per query head of the group). The first strip asks for the K rows
     // `PF_KEYS` ahead, which are read once.
+    let mut asked = false;
     let mut r0 = 0;
     while r0 < live {
-        // Fourteen rows or more of f32 keys: up to 16 rows in the lanes (`qk_lanes16`).
+        // Fourteen rows or more of f32 keys: up to 16 rows in the lanes (`qk_lanes16`),
+        // the first such strip asking for the V rows.
         if T == F32 && live - r0 >= LANES16_MIN_ROWS && lanes_head_size(e) {
             let r = (live - r0).min(16);
             qk_lanes16(
@@ -66,7 +81,9 @@ unsafe fn qk_dot_impl<const T: u8>(
                 (k as *const f32, ldk, nk),
                 s.add(r0 * lds),
                 lds,
+                if asked { None } else { v },
             );
+            asked |= v.is_some();
             r0 += r;
             continue;
         }
@@ -96,6 +113,7 @@ unsafe fn qk_dot_impl<const T: u8>(
         }
         r0 += r;
     }
+    asked
 }
 
 /// Fewest live rows that [`qk_dot_impl`] puts in the lanes of one strip ([`qk_lanes`]):
@@ -261,6 +279,12 @@ macro_rules! lanes_step8 {
 /// f32, in-process probe against two 8-row strips (time new/old, 16 pairs): 16 rows over
 /// 2048 keys in L3 0.925, in L2 0.929, from DRAM 0.956 (kernel notes).
 ///
+/// With `v` (the V rows of the same keys: pointer, row stride, row length), each pass
+/// also asks for its 4 keys' V rows into the L2 (`prefetcht1`), one line per loop where
+/// the rows follow each other and are as long as the K rows, else all of them before
+/// the pass. The scores are compute-bound at these row counts, so the V rows arrive
+/// while the FMA units are busy, and `P·V` finds them in the L2 ([`pv_rows`]' tiles).
+///
 /// # Safety
 /// AVX2 and FMA must be available; `qs` holds `nr` rows of `e` elements
 /// ([`lanes_head_size`]); K rows `0..nk` at `k + j·ldk` hold `e` elements; `s` holds
@@ -275,6 +299,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_lanes16(
     (k, ldk, nk): (*const f32, usize, usize),
     s: *mut f32,
     lds: usize,
+    v: Option<(*const f32, usize, usize)>,
 ) {
     debug_assert!(nr <= 16 && lanes_head_size(e));
     // `qt[x·16 + r]`, written whole for `x < e` by the transposes: a group of 8 whole
@@ -314,8 +339,22 @@ pub(in crate::kernels::cpu) unsafe fn qk_lanes16(
         for half in 0..cnt.div_ceil(4) {
             let kr: [*const f32; 4] = std::array::from_fn(|c| k.add((j + (4 * half + c).min(cnt - 1)) * ldk));
             let pf = follow.then(|| next.wrapping_add(4 * half * ldk));
+            // This pass's V rows (4 keys from `j + 4·half`), one line per loop if they
+            // follow each other and are `e` long (the loop runs `e/4` times over `e/4`
+            // lines), else all of them now.
+            let vpf = v.and_then(|(vp, ldv, ev)| {
+                let v0 = vp.wrapping_add((j + 4 * half) * ldv) as *const u8;
+                if ldv == ev && ev == e {
+                    Some(v0)
+                } else {
+                    for c in 0..4 {
+                        prefetch_bytes_l2(v0.wrapping_add(c * ldv * 4), ev * 4);
+                    }
+                    None
+                }
+            });
             // SAFETY: the 4 rows hold `e` floats each and `qt` `16·e`.
-            let acc = unsafe { lanes_loop_16x4(kr, qt, e / 4, pf) };
+            let acc = unsafe { lanes_loop_16x4(kr, qt, e / 4, (pf, vpf)) };
             for (c, pair) in acc.chunks_exact(2).enumerate() {
                 let t = tile.as_mut_ptr().add((4 * half + c) * 16);
                 _mm256_storeu_ps(t, pair[0]);
@@ -373,7 +412,8 @@ macro_rules! lanes_step16x4 {
 /// [`qk_lanes16`]' pass in assembly: `acc[2c + g] = Σ_x qt[x][8g..8g + 8] · k_c[x]` for
 /// the 4 rows `k[c]`, over `4·n` steps (per step two loads of `qt[x]`, 16 floats, and 4
 /// broadcasts and 8 FMAs), four steps per loop. With `next`, each loop also asks for
-/// one line from `next` on (the next rows, when they follow each other).
+/// one line from `next` on into the L1 (the next rows, when they follow each other), and
+/// with `v` one line from `v` on into the L2.
 ///
 /// # Safety
 /// AVX2 and FMA must be available; the 4 rows hold `4·n` floats each, `qt` `64·n`.
@@ -383,22 +423,27 @@ unsafe fn lanes_loop_16x4(
     k: [*const f32; 4],
     qt: *const f32,
     n: usize,
-    next: Option<*const f32>,
+    (next, v): (Option<*const f32>, Option<*const u8>),
 ) -> [__m256; 8] {
     let z = _mm256_setzero_ps();
     let (mut c0, mut c1, mut c2, mut c3, mut c4, mut c5, mut c6, mut c7) = (z, z, z, z, z, z, z, z);
     if n == 0 {
         return [z; 8];
     }
-    // Without `next`, the prefetches ask for the first row's line again, in place.
+    // Without `next` (`v`), the prefetches ask for the first row's line again, in place.
     let (pf, pfs) = match next {
         Some(p) => (p as *const u8, 64usize),
+        None => (k[0] as *const u8, 0),
+    };
+    let (vp, vps) = match v {
+        Some(p) => (p, 64usize),
         None => (k[0] as *const u8, 0),
     };
     // SAFETY: the caller guarantees the rows and `qt`; prefetches never fault.
     std::arch::asm!(
         "2:",
         "prefetcht0 [{pf}]",
+        "prefetcht1 [{vp}]",
         lanes_step16x4!("0", "0"),
         lanes_step16x4!("64", "4"),
         lanes_step16x4!("128", "8"),
@@ -409,6 +454,7 @@ unsafe fn lanes_loop_16x4(
         "add {k3}, 16",
         "add {qt}, 256",
         "add {pf}, {pfs}",
+        "add {vp}, {vps}",
         "dec {n}",
         "jnz 2b",
         k0 = inout(reg) k[0] => _,
@@ -418,6 +464,8 @@ unsafe fn lanes_loop_16x4(
         qt = inout(reg) qt => _,
         pf = inout(reg) pf => _,
         pfs = in(reg) pfs,
+        vp = inout(reg) vp => _,
+        vps = in(reg) vps,
         n = inout(reg) n => _,
         out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _, out("ymm12") _, out("ymm13") _,
         inout("ymm0") c0, inout("ymm1") c1, inout("ymm2") c2, inout("ymm3") c3,
@@ -546,6 +594,9 @@ unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
 /// so each V vector is loaded and widened once per two rows (a GQA group's rows share
 /// the V rows).
 ///
+/// With `tiles` (the score kernel asked for these V rows into the L2, [`qk_dot`]), f32
+/// rows take register tiles instead ([`pv_rows_tiles`]).
+///
 /// # Safety
 /// AVX2, FMA and F16C must be available.
 #[allow(clippy::too_many_arguments)]
@@ -559,6 +610,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     o: &mut [f32],
     ldo: usize,
     alpha: &[f32],
+    tiles: bool,
 ) {
     let (vp, len, kind) = rows_of(v);
     assert!(ldp >= nk && ncols.is_multiple_of(8) && ldo >= ncols && alpha.len() >= live);
@@ -569,6 +621,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match kind {
+            F32 if tiles => pv_rows_tiles((p, ldp), live, nk, vp as *const f32, ldv, ncols, o, ldo, alpha),
             F32 => pv_rows_impl::<F32>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
             BF16 => pv_rows_impl::<BF16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
             _ => pv_rows_impl::<F16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
@@ -688,9 +741,260 @@ unsafe fn pv_rows_impl<const T: u8>(
     }
 }
 
+/// Keys per chunk of [`pv_rows_tiles`]: 16 KB of V rows of 128, which stay in the L1
+/// while every strip of the group passes over them. (Chunks of 16, 64 and all 256 keys
+/// of a block measured within the noise of 32; kernel notes.)
+const PV_TILE_KEYS: usize = 32;
+
+/// [`pv_rows`] for f32 V rows that the score kernel asked for into the L2: `O =
+/// alpha·O + P·V` in register tiles of up to 6 rows × 16 columns (12 accumulators; per
+/// key 2 V loads and 6 broadcasts for 12 FMAs, where the pairs of [`pv_rows_impl`] load
+/// and store their two output rows at every 4 keys), over chunks of [`PV_TILE_KEYS`]
+/// keys, each chunk's strips and 16-column panels in turn. Each output takes the same
+/// fused multiply-adds in the same order as in [`pv_rows_impl`], so the results are the
+/// same, bit for bit. From DRAM or the L3 the tiles were slower than walking each V row
+/// to its end (their 64-byte reads, one row after another, are not what the hardware
+/// prefetchers follow), so they are only for rows already asked for (kernel notes).
+///
+/// # Safety
+/// AVX2 and FMA must be available; as [`pv_rows_impl`], with f32 rows.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pv_rows_tiles(
+    (p, ldp): (*const f32, usize),
+    live: usize,
+    nk: usize,
+    v: *const f32,
+    ldv: usize,
+    ncols: usize,
+    o: *mut f32,
+    ldo: usize,
+    alpha: &[f32],
+) {
+    for (r, &a) in alpha.iter().enumerate().take(live) {
+        if a != 1.0 {
+            let av = _mm256_set1_ps(a);
+            let orow = o.add(r * ldo);
+            for c in (0..ncols).step_by(8) {
+                _mm256_storeu_ps(orow.add(c), _mm256_mul_ps(av, _mm256_loadu_ps(orow.add(c))));
+            }
+        }
+    }
+    let mut j = 0;
+    while j < nk {
+        let kn = (nk - j).min(PV_TILE_KEYS);
+        let mut r0 = 0;
+        while r0 < live {
+            let r = (live - r0).min(MR);
+            let t = (p.add(r0 * ldp + j), ldp, kn);
+            let mut c0 = 0;
+            while c0 < ncols {
+                let (vc, oc) = ((v.add(j * ldv + c0), ldv), (o.add(r0 * ldo + c0), ldo));
+                // (A macro: closures do not inherit `target_feature`.)
+                macro_rules! tile {
+                    ($c:literal) => {
+                        match r {
+                            6 => pv_tile::<6, $c>(t, vc, oc),
+                            5 => pv_tile::<5, $c>(t, vc, oc),
+                            4 => pv_tile::<4, $c>(t, vc, oc),
+                            3 => pv_tile::<3, $c>(t, vc, oc),
+                            2 => pv_tile::<2, $c>(t, vc, oc),
+                            _ => pv_tile::<1, $c>(t, vc, oc),
+                        }
+                    };
+                }
+                if ncols - c0 >= 16 {
+                    tile!(2);
+                    c0 += 16;
+                } else {
+                    tile!(1);
+                    c0 += 8;
+                }
+            }
+            r0 += r;
+        }
+        j += kn;
+    }
+}
+
+/// One tile of [`pv_rows_tiles`]: `o[r][c] += Σ_j p[r][j]·v[j][c]` for `R` rows × `8·C`
+/// columns, `kn` keys in order.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `p` holds `R` rows of `kn` floats (stride `ldp`), `v`
+/// `kn` rows of `8·C` (stride `ldv`), `o` `R` rows of `8·C` (stride `ldo`).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pv_tile<const R: usize, const C: usize>(
+    (p, ldp, kn): (*const f32, usize, usize),
+    (v, ldv): (*const f32, usize),
+    (o, ldo): (*mut f32, usize),
+) {
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    for (r, ar) in acc.iter_mut().enumerate() {
+        for (c, a) in ar.iter_mut().enumerate() {
+            *a = _mm256_loadu_ps(o.add(r * ldo + 8 * c));
+        }
+    }
+    for j in 0..kn {
+        let mut vv = [_mm256_setzero_ps(); C];
+        for (c, x) in vv.iter_mut().enumerate() {
+            *x = _mm256_loadu_ps(v.add(j * ldv + 8 * c));
+        }
+        for (r, ar) in acc.iter_mut().enumerate() {
+            let b = _mm256_broadcast_ss(&*p.add(r * ldp + j));
+            for (a, &x) in ar.iter_mut().zip(&vv) {
+                *a = _mm256_fmadd_ps(b, x, *a);
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        for (c, &a) in ar.iter().enumerate() {
+            _mm256_storeu_ps(o.add(r * ldo + 8 * c), a);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `qk_dot` returns whether it asked for the V rows (strips of 16 rows: f32 K rows of
+    /// a head size with strips in the lanes, and `LANES16_MIN_ROWS` live rows or more),
+    /// and asking changes no score: V rows that follow each other and are as long as the
+    /// K rows (asked for line by line in the loop), longer ones, and rows with a gap.
+    #[test]
+    fn decode_scores_ask_for_v_only_with_strips_of_16() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("note: no AVX2+FMA on this machine; decode scores not exercised");
+            return;
+        }
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        let nk = 69;
+        for (e, ev, ldv) in [
+            (128usize, 128usize, 128usize),
+            (64, 128, 128),
+            (64, 64, 72),
+            (80, 64, 64),
+        ] {
+            let k: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
+            let v: Vec<f32> = (0..nk * ldv).map(|i| val(i, 5)).collect();
+            for live in [1usize, 6, 13, 14, 16, 24, 30, 32] {
+                let rows = live.div_ceil(MR) * MR;
+                let q: Vec<f32> = (0..rows * e).map(|i| val(i, 11)).collect();
+                let (mut s0, mut s1) = (vec![f32::NAN; rows * nk], vec![f32::NAN; rows * nk]);
+                // SAFETY: AVX2 and FMA detected above.
+                let asked0 = unsafe { qk_dot(&q, rows, live, e, Data::F32(&k), e, nk, &mut s0, nk, None) };
+                // SAFETY: as above.
+                let asked1 = unsafe {
+                    qk_dot(
+                        &q,
+                        rows,
+                        live,
+                        e,
+                        Data::F32(&k),
+                        e,
+                        nk,
+                        &mut s1,
+                        nk,
+                        Some((&v, ldv, ev)),
+                    )
+                };
+                assert!(!asked0);
+                assert_eq!(
+                    asked1,
+                    live >= LANES16_MIN_ROWS && lanes_head_size(e),
+                    "e {e}, live {live}"
+                );
+                let same = s0.iter().zip(&s1).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "e {e}, ev {ev}, ldv {ldv}, live {live}: scores changed");
+            }
+        }
+    }
+
+    /// `pv_rows` with `tiles` (f32 rows in register tiles) gives exactly what walking the
+    /// V rows gives, and both match f64 within a bound: every live row count up to 32
+    /// (tiles of 1–6 rows), rows of 128, 40 and 24 columns (16-column tiles and an
+    /// 8-column one), 70 and 5 keys (a chunk and a tail), rescale factors other than 1,
+    /// and P, V and O rows with room after each.
+    #[test]
+    fn decode_values_in_tiles_equal_the_row_walk() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("note: no AVX2+FMA on this machine; decode values not exercised");
+            return;
+        }
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        for (nk, ncols) in [(70usize, 128usize), (70, 40), (5, 24), (70, 24)] {
+            let (ldp, ldv, ldo) = (nk + 3, ncols + 8, ncols + 16);
+            let v: Vec<f32> = (0..nk * ldv).map(|i| val(i, 5)).collect();
+            for live in 1..=32usize {
+                let p: Vec<f32> = (0..live * ldp).map(|i| val(i, 7).abs()).collect();
+                let alpha: Vec<f32> = (0..live).map(|r| if r % 3 == 1 { 0.75 } else { 1.0 }).collect();
+                let o0: Vec<f32> = (0..live * ldo).map(|i| val(i, 13)).collect();
+                let (mut a, mut b) = (o0.clone(), o0.clone());
+                // SAFETY: AVX2 and FMA detected above; shapes as `pv_rows` requires.
+                unsafe {
+                    pv_rows(
+                        (&p, ldp),
+                        live,
+                        nk,
+                        Data::F32(&v),
+                        ldv,
+                        ncols,
+                        &mut a,
+                        ldo,
+                        &alpha,
+                        false,
+                    );
+                    pv_rows(
+                        (&p, ldp),
+                        live,
+                        nk,
+                        Data::F32(&v),
+                        ldv,
+                        ncols,
+                        &mut b,
+                        ldo,
+                        &alpha,
+                        true,
+                    );
+                }
+                for r in 0..live {
+                    for c in 0..ldo {
+                        let (x, y) = (a[r * ldo + c], b[r * ldo + c]);
+                        assert_eq!(
+                            x.to_bits(),
+                            y.to_bits(),
+                            "nk {nk}, ncols {ncols}, live {live}, row {r}, col {c}"
+                        );
+                        if c >= ncols {
+                            assert_eq!(
+                                y.to_bits(),
+                                o0[r * ldo + c].to_bits(),
+                                "column {c} past the row written"
+                            );
+                            continue;
+                        }
+                        let (want, mag) = (0..nk).fold(
+                            (
+                                alpha[r] as f64 * o0[r * ldo + c] as f64,
+                                (alpha[r] * o0[r * ldo + c]).abs() as f64,
+                            ),
+                            |(w, m), j| {
+                                let t = p[r * ldp + j] as f64 * v[j * ldv + c] as f64;
+                                (w + t, m + t.abs())
+                            },
+                        );
+                        let bound = (nk + 1) as f64 * f64::from(f32::EPSILON) * mag;
+                        assert!(
+                            (y as f64 - want).abs() <= bound,
+                            "row {r} col {c}: {y} against {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// `qk_dot` on f32 K rows against f64 dot products for every live row count of a
     /// decode group up to 32 (strips of up to 6 rows below `LANES_MIN_ROWS`, strips of up
@@ -737,7 +1041,7 @@ mod tests {
                 for (k, ldk) in [(&kf, e), (&kwide, ldw)] {
                     let mut s = vec![f32::NAN; rows * lds];
                     // SAFETY: AVX2 and FMA detected above (F16C only for half rows).
-                    unsafe { qk_dot(&q, rows, live, e, Data::F32(k), ldk, nk, &mut s, lds) };
+                    unsafe { qk_dot(&q, rows, live, e, Data::F32(k), ldk, nk, &mut s, lds, None) };
                     for (i, x) in s.iter().enumerate() {
                         let (r, j) = (i / lds, i % lds);
                         assert!(

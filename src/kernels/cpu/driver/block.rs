@@ -466,6 +466,9 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         // widens them in registers; `raw_v` is then the V operand.
         #[allow(unused_mut)] // only assigned on x86-64
         let mut raw_v: Option<super::super::view::Data> = None;
+        // Whether the score kernel asked for this block's V rows into the L2 (decode on
+        // AVX2 with strips of 16 rows), so that `P·V` may take register tiles.
+        let mut v_asked = false;
         // (V operand, V panel stride, V row stride)
         let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
             #[cfg(target_arch = "x86_64")]
@@ -485,7 +488,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, keys), sb, step) };
                 } else {
                     // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
-                    unsafe { avx2::qk_dot(qb, rows, n, e, kd, ldk, nk, sb, step) };
+                    unsafe { avx2::qk_dot(qb, rows, n, e, kd, ldk, nk, sb, step, None) };
                 }
                 raw_v = Some(vd);
                 (&[][..], NR, ldv)
@@ -532,8 +535,10 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             }
             KvSrc::Rows => {
                 let (ks, ldk) = rows_f32(&p.k, bb, kvh, j0, nk, e, K_ALIGN, kp.as_mut_slice());
-                isa.qk_dot(qb, rows, n, e, ks, ldk, nk, sb, step);
                 let (vs, ldv) = rows_f32(&p.v, bb, kvh, j0, nk, ev, V_ALIGN, vp.as_mut_slice());
+                // (On AVX2 the strips of 16 rows ask for the V rows into the L2 while they
+                // score, and `P·V` then takes register tiles: `avx2::qk_dot`.)
+                v_asked = isa.qk_dot(qb, rows, n, e, ks, ldk, nk, sb, step, Some((vs, ldv, ev)));
                 (vs, NR, ldv)
             }
         };
@@ -577,12 +582,13 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 unsafe { avx512::pv_rows((sb, step), n, nk, vd, (ldv, nvp, ahead), o, evp, alpha) };
             } else {
                 // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path.
-                unsafe { avx2::pv_rows((sb, step), n, nk, vd, ldv, evp, o, evp, alpha) };
+                unsafe { avx2::pv_rows((sb, step), n, nk, vd, ldv, evp, o, evp, alpha, false) };
             }
             #[cfg(not(target_arch = "x86_64"))]
             let _ = vd;
         } else if cfg!(target_arch = "x86_64") && isa == Isa::Avx2Fma && matches!(src, KvSrc::Rows) {
-            // Decode on AVX2 walks each streamed V row to its end (`avx2::pv_rows`).
+            // Decode on AVX2 walks each streamed V row to its end (`avx2::pv_rows`), or
+            // runs register tiles over the rows the scores asked for (`v_asked`).
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
             unsafe {
@@ -596,6 +602,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     o,
                     evp,
                     alpha,
+                    v_asked,
                 )
             };
         } else if cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && matches!(src, KvSrc::Rows) {
@@ -621,6 +628,8 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         } else {
             isa.pv(sb, rows, n, nk, vsl, vps, ldv, nvp, o, evp, alpha);
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = v_asked; // (no kernel here asks for V rows)
         kb += nk.div_ceil(BK);
     }
     if lanes {
