@@ -13,22 +13,13 @@
 #[cfg(target_arch = "x86_64")]
 pub(crate) const PF_KEYS: usize = 16;
 
-/// Asks for the cache lines of `bytes` bytes from `p`. A prefetch is a hint that reads
-/// nothing and never faults, so `p` may point anywhere, past the data included.
+/// Asks for the cache lines of `bytes` bytes from `p` into the L1 (`prefetcht0`). A
+/// prefetch is a hint that reads nothing and never faults, so `p` may point anywhere,
+/// past the data included.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let mut b = 0;
-    while b < bytes {
-        // SAFETY: a prefetch touches no memory the program can observe and cannot fault,
-        // whatever the address (SSE, which every x86-64 CPU has).
-        #[allow(unused_unsafe)]
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(b))
-        };
-        b += 64;
-    }
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T0 }>(p, bytes)
 }
 
 /// Asks for the cache lines of `bytes` bytes from `p` into the L2 (`prefetcht1`), as
@@ -36,13 +27,20 @@ pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn prefetch_bytes_l2(p: *const u8, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(p, bytes)
+}
+
+/// [`prefetch_bytes`] with the hint `H`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn prefetch_lines<const H: i32>(p: *const u8, bytes: usize) {
     let mut b = 0;
     while b < bytes {
-        // SAFETY: as in `prefetch_bytes`.
+        // SAFETY: a prefetch touches no memory the program can observe and cannot fault,
+        // whatever the address (SSE, which every x86-64 CPU has).
         #[allow(unused_unsafe)]
         unsafe {
-            _mm_prefetch::<_MM_HINT_T1>((p as *const i8).wrapping_add(b))
+            std::arch::x86_64::_mm_prefetch::<H>((p as *const i8).wrapping_add(b))
         };
         b += 64;
     }
