@@ -134,8 +134,8 @@ pub(in crate::kernels::cpu) const LANES_MIN_ROWS: usize = 6;
 /// rows 0.916–0.956 (kernel notes).
 pub(in crate::kernels::cpu) const LANES16_MIN_ROWS: usize = 14;
 
-/// Whether [`qk_lanes`] and [`qk_lanes16`] take rows of `e` elements: a multiple of 8 (its Q transpose) up
-/// to 256 (its Q buffer).
+/// Whether [`qk_lanes`] and [`qk_lanes16`] take rows of `e` elements: a multiple of 8
+/// (their Q transposes) up to 256 (their Q buffers).
 pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
     e > 0 && e.is_multiple_of(8) && e <= 256
 }
@@ -277,7 +277,8 @@ macro_rules! lanes_step8 {
 /// as they go (one line per pass step when the rows follow each other, `ldk = e`;
 /// otherwise all of them before the tile). AVX2 forced on the Zen 4 VM, both threads,
 /// f32, in-process probe against two 8-row strips (time new/old, 16 pairs): 16 rows over
-/// 2048 keys in L3 0.925, in L2 0.929, from DRAM 0.956 (kernel notes).
+/// 2048 keys in the L3 0.914, over 256 keys in the L2 0.918, from DRAM 0.938, 32 rows
+/// 0.919 (kernel notes).
 ///
 /// With `v` (the V rows of the same keys: pointer, row stride, row length), each pass
 /// also asks for its 4 keys' V rows into the L2 (`prefetcht1`), one line per loop where
