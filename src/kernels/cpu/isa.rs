@@ -156,8 +156,8 @@ impl Isa {
 
     /// Decode scores of the `live` rows against K rows read in place (see
     /// `portable::qk_dot`). `v`, the block's V rows (rows, row stride, row length), may
-    /// be asked for into the L2 while the scores run; returns whether they were (AVX2's
-    /// strips of 16 rows, `avx2::qk_dot`).
+    /// be asked for into the L2 while the scores run; returns whether they were (AVX2,
+    /// `avx2::qk_dot`).
     #[allow(clippy::too_many_arguments)]
     #[inline]
     pub(super) fn qk_dot(
@@ -182,6 +182,7 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         if self == Isa::Avx2Fma {
             // SAFETY: `Isa::Avx2Fma` only reaches the kernel after `is_supported()`.
+            let v = v.map(|(vs, ldv, ev)| (view::Data::F32(vs), ldv, ev));
             return unsafe { avx2::qk_dot(q, rows, live, e, view::Data::F32(k), ldk, nk, s, lds, v) };
         }
         let _ = (rows, v); // the padding rows are not scored; no V rows are asked for

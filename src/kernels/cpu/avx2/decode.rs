@@ -8,10 +8,11 @@ use super::*;
 /// multiple of [`MR`] and `e` a multiple of 8. `k` holds f32, bf16 or f16 rows (half
 /// precision is read in place and widened in registers).
 ///
-/// `v`: the block's f32 V rows (`(rows, row stride, row length)`, one per key), for the
-/// strips of 16 rows in the lanes ([`qk_lanes16`]) to ask for into the L2 while they
-/// run. Returns whether they did, that is whether [`pv_rows`] may take its register
-/// tiles ([`pv_rows`]' `tiles`).
+/// `v`: the block's V rows (`(rows, row stride, row length)`, one per key), for the
+/// first strip to ask for into the L2 while it scores f32 K rows ([`VRows`]). Returns
+/// whether it did, that is whether [`pv_rows`] will find them there (its `v_in_l2`).
+/// With f16/bf16 K rows nothing is asked for: there it made decode no faster (f16) or
+/// slower (bf16; kernel notes).
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available.
@@ -26,7 +27,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot(
     nk: usize,
     s: &mut [f32],
     lds: usize,
-    v: Option<(&[f32], usize, usize)>,
+    v: Option<(Data, usize, usize)>,
 ) -> bool {
     let (kp, len, kind) = rows_of(k);
     assert!(
@@ -37,8 +38,14 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot(
     // (Only asked for, never read: a prefetch cannot fault, but the rows must be there
     // for `pv_rows` anyway.)
     let v = v.map(|(vs, ldv, ev)| {
-        assert!(nk == 0 || vs.len() >= (nk - 1) * ldv + ev);
-        (vs.as_ptr(), ldv, ev)
+        let (base, vlen, vkind) = rows_of(vs);
+        assert!(nk == 0 || vlen >= (nk - 1) * ldv + ev);
+        let size = if vkind == F32 { 4 } else { 2 };
+        VRows {
+            base,
+            stride: ldv * size,
+            len: ev * size,
+        }
     });
     let (q, s) = (q.as_ptr(), s.as_mut_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
@@ -62,16 +69,16 @@ unsafe fn qk_dot_impl<const T: u8>(
     nk: usize,
     s: *mut f32,
     lds: usize,
-    v: Option<(*const f32, usize, usize)>,
+    v: Option<VRows>,
 ) -> bool {
     // Strips of up to `MR` live rows; padding rows are skipped (decode has few live
     // rows: one per query head of the group). The first strip asks for the K rows
-    // `PF_KEYS` ahead, which are read once.
-    let mut asked = false;
+    // `PF_KEYS` ahead, which are read once, and for the V rows `v`.
     let mut r0 = 0;
     while r0 < live {
-        // Fourteen rows or more of f32 keys: up to 16 rows in the lanes (`qk_lanes16`),
-        // the first such strip asking for the V rows.
+        // (Each strip reads every K row of the block, so the first asks for every V row.)
+        let va = if r0 == 0 { v } else { None };
+        // Fourteen rows or more of f32 keys: up to 16 rows in the lanes (`qk_lanes16`).
         if T == F32 && live - r0 >= LANES16_MIN_ROWS && lanes_head_size(e) {
             let r = (live - r0).min(16);
             qk_lanes16(
@@ -81,9 +88,8 @@ unsafe fn qk_dot_impl<const T: u8>(
                 (k as *const f32, ldk, nk),
                 s.add(r0 * lds),
                 lds,
-                if asked { None } else { v },
+                va,
             );
-            asked |= v.is_some();
             r0 += r;
             continue;
         }
@@ -97,23 +103,61 @@ unsafe fn qk_dot_impl<const T: u8>(
                 (k as *const f32, ldk, nk),
                 s.add(r0 * lds),
                 lds,
+                va,
             );
             r0 += r;
             continue;
         }
         let r = (live - r0).min(MR);
         let (qs, sp, pf) = (q.add(r0 * e), s.add(r0 * lds), r0 == 0);
+        let pf = (pf, va);
         match r {
-            1 => qk_dot_strip::<T, 1, 4>(qs, e, k, ldk, nk, sp, lds, pf),
-            2 => qk_dot_strip::<T, 2, 4>(qs, e, k, ldk, nk, sp, lds, pf),
-            3 => qk_dot_strip::<T, 3, 4>(qs, e, k, ldk, nk, sp, lds, pf),
-            4 => qk_dot_strip::<T, 4, 2>(qs, e, k, ldk, nk, sp, lds, pf),
-            5 => qk_dot_strip::<T, 5, 2>(qs, e, k, ldk, nk, sp, lds, pf),
-            _ => qk_dot_strip::<T, 6, 2>(qs, e, k, ldk, nk, sp, lds, pf),
+            1 => qk_dot_strip::<T, 1, 4>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
+            2 => qk_dot_strip::<T, 2, 4>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
+            3 => qk_dot_strip::<T, 3, 4>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
+            4 => qk_dot_strip::<T, 4, 2>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
+            5 => qk_dot_strip::<T, 5, 2>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
+            _ => qk_dot_strip::<T, 6, 2>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
         }
         r0 += r;
     }
-    asked
+    v.is_some() && live > 0
+}
+
+/// A decode block's V rows, for a score strip to ask for into the L2 while it runs
+/// ([`qk_dot`]): row 0, the row stride and the row length, in bytes.
+///
+/// The decode score strips read K rows interleaved (2–8 keys' rows, 32 bytes of each in
+/// turn) and `P·V` reads four V rows at a time, which the hardware prefetchers follow
+/// poorly from DRAM; the kernels' own requests ask only `PF_KEYS` ahead, into the L1.
+/// Asked for while the scores run, the V rows arrive while the strip works on K, and
+/// `P·V` finds them in the L2. AVX2 forced on the Zen 4 VM, both threads, f32, in-process
+/// probe (time asking over time not asking, 16 pairs): `decode_b4`'s shape 0.867,
+/// `decode_gqa`'s 0.648, 4 rows over 16384 keys 0.650, 2 rows 0.816, 6 rows 0.723, 8
+/// rows 0.845, 12 rows 0.875 (kernel notes).
+#[derive(Clone, Copy)]
+pub(in crate::kernels::cpu) struct VRows {
+    base: *const u8,
+    stride: usize,
+    len: usize,
+}
+
+impl VRows {
+    /// Asks for rows `j0..j0 + n`, whole, into the L2 (past the block's last key too: a
+    /// prefetch never faults).
+    #[inline]
+    fn ask(&self, j0: usize, n: usize) {
+        for j in j0..j0 + n {
+            prefetch_bytes_l2(self.base.wrapping_add(j * self.stride), self.len);
+        }
+    }
+
+    /// Row `j`'s start where the rows follow each other and are `len` bytes long, so that
+    /// a loop can ask for them line by line.
+    #[inline]
+    fn contiguous(&self, len: usize, j: usize) -> Option<*const u8> {
+        (self.stride == self.len && self.len == len).then(|| self.base.wrapping_add(j * self.stride))
+    }
 }
 
 /// Fewest live rows that [`qk_dot_impl`] puts in the lanes of one strip ([`qk_lanes`]):
@@ -157,6 +201,10 @@ pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
 /// AVX2 and FMA must be available; `qs` holds `nr` rows of `e` elements
 /// ([`lanes_head_size`]); K rows `0..nk` at `k + j·ldk` hold `e` elements; `s` holds
 /// `nr` rows of stride `lds ≥ nk`.
+///
+/// With `v`, each tile also asks for its 8 keys' V rows into the L2 ([`VRows`]): two
+/// lines per loop where they follow each other and are as long as the K rows, else all
+/// of them before the tile.
 // (Out of line: its 17 KB of stack would otherwise be probed page by page at every
 // call of `qk_dot_impl`, whatever strips the call takes.)
 #[inline(never)]
@@ -168,6 +216,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_lanes(
     (k, ldk, nk): (*const f32, usize, usize),
     s: *mut f32,
     lds: usize,
+    v: Option<VRows>,
 ) {
     debug_assert!(nr <= 8 && lanes_head_size(e));
     // Q rows padded to 8 with zeros, then transposed: `qt[x·8 + r]`, written whole for
@@ -193,9 +242,19 @@ pub(in crate::kernels::cpu) unsafe fn qk_lanes(
                 prefetch_bytes(next.wrapping_add(c * ldk) as *const u8, e * 4);
             }
         }
+        // This tile's V rows: two lines per loop where they follow each other and are
+        // as long as the K rows (the loop runs `e/4` times over 8 rows of `4e` bytes),
+        // else all of them now.
+        let vpf = v.and_then(|v| {
+            let at = v.contiguous(4 * e, j).filter(|_| cnt == 8);
+            if at.is_none() {
+                v.ask(j, cnt);
+            }
+            at
+        });
         let acc = if cnt == 8 {
             // SAFETY: 8 rows of `e` elements from `k + j·ldk`, and `e` steps of `qt`.
-            unsafe { lanes_loop_8(k.add(j * ldk), ldk * 4, qt, e / 4, follow.then_some(next)) }
+            unsafe { lanes_loop_8(k.add(j * ldk), ldk * 4, qt, e / 4, (follow.then_some(next), vpf)) }
         } else {
             // A tail of fewer than 8 keys: the lanes of keys past `nk` repeat the last
             // key, and their scores are not stored.
@@ -300,7 +359,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_lanes16(
     (k, ldk, nk): (*const f32, usize, usize),
     s: *mut f32,
     lds: usize,
-    v: Option<(*const f32, usize, usize)>,
+    v: Option<VRows>,
 ) {
     debug_assert!(nr <= 16 && lanes_head_size(e));
     // `qt[x·16 + r]`, written whole for `x < e` by the transposes: a group of 8 whole
@@ -343,16 +402,12 @@ pub(in crate::kernels::cpu) unsafe fn qk_lanes16(
             // This pass's V rows (4 keys from `j + 4·half`), one line per loop if they
             // follow each other and are `e` long (the loop runs `e/4` times over `e/4`
             // lines), else all of them now.
-            let vpf = v.and_then(|(vp, ldv, ev)| {
-                let v0 = vp.wrapping_add((j + 4 * half) * ldv) as *const u8;
-                if ldv == ev && ev == e {
-                    Some(v0)
-                } else {
-                    for c in 0..4 {
-                        prefetch_bytes_l2(v0.wrapping_add(c * ldv * 4), ev * 4);
-                    }
-                    None
+            let vpf = v.and_then(|v| {
+                let at = v.contiguous(4 * e, j + 4 * half);
+                if at.is_none() {
+                    v.ask(j + 4 * half, 4);
                 }
+                at
             });
             // SAFETY: the 4 rows hold `e` floats each and `qt` `16·e`.
             let acc = unsafe { lanes_loop_16x4(kr, qt, e / 4, (pf, vpf)) };
@@ -491,7 +546,7 @@ unsafe fn lanes_loop_8(
     l: usize,
     qt: *const f32,
     n: usize,
-    next: Option<*const f32>,
+    (next, v): (Option<*const f32>, Option<*const u8>),
 ) -> [__m256; 8] {
     let z = _mm256_setzero_ps();
     let (mut c0, mut c1, mut c2, mut c3, mut c4, mut c5, mut c6, mut c7) = (z, z, z, z, z, z, z, z);
@@ -499,9 +554,13 @@ unsafe fn lanes_loop_8(
         return [z; 8];
     }
     let g0 = k as *const u8;
-    // Without `next`, the prefetches ask for the first rows' lines again, in place.
+    // Without `next` (`v`), the prefetches ask for the first rows' lines again, in place.
     let (pf, pfs) = match next {
         Some(p) => (p as *const u8, 128usize),
+        None => (g0, 0),
+    };
+    let (vp, vps) = match v {
+        Some(p) => (p, 128usize),
         None => (g0, 0),
     };
     // SAFETY: the caller guarantees the rows and `qt`; prefetches never fault.
@@ -509,6 +568,8 @@ unsafe fn lanes_loop_8(
         "2:",
         "prefetcht0 [{pf}]",
         "prefetcht0 [{pf} + 64]",
+        "prefetcht1 [{vp}]",
+        "prefetcht1 [{vp} + 64]",
         lanes_step8!("0", "0"),
         lanes_step8!("32", "4"),
         lanes_step8!("64", "8"),
@@ -517,6 +578,7 @@ unsafe fn lanes_loop_8(
         "add {g1}, 16",
         "add {qt}, 128",
         "add {pf}, {pfs}",
+        "add {vp}, {vps}",
         "dec {n}",
         "jnz 2b",
         g0 = inout(reg) g0 => _,
@@ -526,6 +588,8 @@ unsafe fn lanes_loop_8(
         qt = inout(reg) qt => _,
         pf = inout(reg) pf => _,
         pfs = in(reg) pfs,
+        vp = inout(reg) vp => _,
+        vps = in(reg) vps,
         n = inout(reg) n => _,
         out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _, out("ymm12") _,
         inout("ymm0") c0, inout("ymm1") c1, inout("ymm2") c2, inout("ymm3") c3,
@@ -536,7 +600,8 @@ unsafe fn lanes_loop_8(
 }
 
 /// Scores of `R` row-major Q rows against `NK` keys of kind `T` per pass (`R·NK ≤ 12`
-/// accumulators).
+/// accumulators). With `pf`, each pass asks for its keys' K rows `PF_KEYS` ahead into
+/// the L1, and with `v` for their V rows into the L2 ([`VRows`]).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -549,11 +614,15 @@ unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
     s: *mut f32,
     lds: usize,
     pf: bool,
+    v: Option<VRows>,
 ) {
     let size = if T == F32 { 4 } else { 2 };
     let mut j = 0;
     while j < nk {
         let t = (nk - j).min(NK);
+        if let Some(v) = v {
+            v.ask(j, t);
+        }
         // (At a tail, the missing keys repeat the last one and are not stored.)
         let mut kp = [0usize; NK];
         for (c, p) in kp.iter_mut().enumerate() {
@@ -595,8 +664,9 @@ unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
 /// so each V vector is loaded and widened once per two rows (a GQA group's rows share
 /// the V rows).
 ///
-/// With `tiles` (the score kernel asked for these V rows into the L2, [`qk_dot`]), f32
-/// rows take register tiles instead ([`pv_rows_tiles`]).
+/// With `v_in_l2` (the score kernel asked for these V rows into the L2, [`qk_dot`]),
+/// f32 groups of [`PV_TILES_MIN_ROWS`] rows or more take register tiles instead
+/// ([`pv_rows_tiles`]).
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available.
@@ -611,7 +681,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     o: &mut [f32],
     ldo: usize,
     alpha: &[f32],
-    tiles: bool,
+    v_in_l2: bool,
 ) {
     let (vp, len, kind) = rows_of(v);
     assert!(ldp >= nk && ncols.is_multiple_of(8) && ldo >= ncols && alpha.len() >= live);
@@ -622,7 +692,9 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match kind {
-            F32 if tiles => pv_rows_tiles((p, ldp), live, nk, vp as *const f32, ldv, ncols, o, ldo, alpha),
+            F32 if v_in_l2 && live >= PV_TILES_MIN_ROWS => {
+                pv_rows_tiles((p, ldp), live, nk, vp as *const f32, ldv, ncols, o, ldo, alpha)
+            }
             F32 => pv_rows_impl::<F32>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
             BF16 => pv_rows_impl::<BF16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
             _ => pv_rows_impl::<F16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
@@ -742,6 +814,13 @@ unsafe fn pv_rows_impl<const T: u8>(
     }
 }
 
+/// Fewest live rows whose `P·V` takes register tiles ([`pv_rows_tiles`]) over V rows
+/// in the L2. AVX2 forced on the Zen 4 VM, f32, in-process probe, time with tiles over
+/// time without, the V rows asked for in both: 1 row 1.15, 2 rows 1.07, 4 rows 1.44, 6
+/// rows 1.06, 8 rows 1.14, 12 rows 0.97 (kernel notes); from 14 rows, see
+/// [`qk_lanes16`].
+pub(in crate::kernels::cpu) const PV_TILES_MIN_ROWS: usize = LANES16_MIN_ROWS;
+
 /// Keys per chunk of [`pv_rows_tiles`]: 16 KB of V rows of 128, which stay in the L1
 /// while every strip of the group passes over them. (Chunks of 16, 64 and all 256 keys
 /// of a block measured within the noise of 32; kernel notes.)
@@ -860,14 +939,18 @@ unsafe fn pv_tile<const R: usize, const C: usize>(
 mod tests {
     use super::*;
 
-    /// `qk_dot` returns whether it asked for the V rows (strips of 16 rows: f32 K rows of
-    /// a head size with strips in the lanes, and `LANES16_MIN_ROWS` live rows or more),
-    /// and asking changes no score: V rows that follow each other and are as long as the
-    /// K rows (asked for line by line in the loop), longer ones, and rows with a gap.
+    /// `qk_dot` asks for the V rows with f32 K rows (every kind of strip: 1–5 rows with
+    /// the head dimension in the lanes, 6–13 and 14–32 with the rows in the lanes) and
+    /// says so, asks for nothing with f16 K rows, and asking changes no score: V rows that
+    /// follow each other and are as long as the K rows (asked for line by line in the
+    /// loops), longer ones, rows with a gap, and half-precision V rows.
     #[test]
-    fn decode_scores_ask_for_v_only_with_strips_of_16() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            eprintln!("note: no AVX2+FMA on this machine; decode scores not exercised");
+    fn decode_scores_ask_for_v_rows_without_changing_them() {
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("note: no AVX2+FMA+F16C on this machine; decode scores not exercised");
             return;
         }
         let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
@@ -879,43 +962,36 @@ mod tests {
             (80, 64, 64),
         ] {
             let k: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
+            let kh: Vec<half::f16> = k.iter().map(|&x| half::f16::from_f32(x)).collect();
             let v: Vec<f32> = (0..nk * ldv).map(|i| val(i, 5)).collect();
-            for live in [1usize, 6, 13, 14, 16, 24, 30, 32] {
+            let vh: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+            for live in [1usize, 2, 5, 6, 8, 13, 14, 16, 24, 30, 32] {
                 let rows = live.div_ceil(MR) * MR;
                 let q: Vec<f32> = (0..rows * e).map(|i| val(i, 11)).collect();
-                let (mut s0, mut s1) = (vec![f32::NAN; rows * nk], vec![f32::NAN; rows * nk]);
-                // SAFETY: AVX2 and FMA detected above.
-                let asked0 = unsafe { qk_dot(&q, rows, live, e, Data::F32(&k), e, nk, &mut s0, nk, None) };
-                // SAFETY: as above.
-                let asked1 = unsafe {
-                    qk_dot(
-                        &q,
-                        rows,
-                        live,
-                        e,
-                        Data::F32(&k),
-                        e,
-                        nk,
-                        &mut s1,
-                        nk,
-                        Some((&v, ldv, ev)),
-                    )
-                };
-                assert!(!asked0);
-                assert_eq!(
-                    asked1,
-                    live >= LANES16_MIN_ROWS && lanes_head_size(e),
-                    "e {e}, live {live}"
-                );
-                let same = s0.iter().zip(&s1).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "e {e}, ev {ev}, ldv {ldv}, live {live}: scores changed");
+                for (kd, vd) in [
+                    (Data::F32(&k), Data::F32(&v)),
+                    (Data::F32(&k), Data::F16(&vh)),
+                    (Data::F16(&kh), Data::F32(&v)),
+                ] {
+                    let (mut s0, mut s1) = (vec![f32::NAN; rows * nk], vec![f32::NAN; rows * nk]);
+                    // SAFETY: AVX2, FMA and F16C detected above.
+                    let asked0 = unsafe { qk_dot(&q, rows, live, e, kd, e, nk, &mut s0, nk, None) };
+                    // SAFETY: as above.
+                    let asked1 =
+                        unsafe { qk_dot(&q, rows, live, e, kd, e, nk, &mut s1, nk, Some((vd, ldv, ev))) };
+                    assert!(!asked0);
+                    let f32_k = matches!(kd, Data::F32(_));
+                    assert_eq!(asked1, f32_k, "e {e}, live {live}, f32 K {f32_k}");
+                    let same = s0.iter().zip(&s1).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "e {e}, ev {ev}, ldv {ldv}, live {live}: scores changed");
+                }
             }
         }
     }
 
-    /// `pv_rows` with `tiles` (f32 rows in register tiles) gives exactly what walking the
-    /// V rows gives, and both match f64 within a bound: every live row count up to 32
-    /// (tiles of 1–6 rows), rows of 128, 40 and 24 columns (16-column tiles and an
+    /// `pv_rows` with its V rows in the L2 (f32 groups from `PV_TILES_MIN_ROWS` rows in
+    /// register tiles, [`pv_rows_tiles`]) gives exactly what walking the V rows gives, and
+    /// both match f64 within a bound: every live row count up to 32 (tiles of 1–6 rows), rows of 128, 40 and 24 columns (16-column tiles and an
     /// 8-column one), 70 and 5 keys (a chunk and a tail), rescale factors other than 1,
     /// and P, V and O rows with room after each.
     #[test]

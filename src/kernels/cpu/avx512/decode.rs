@@ -217,7 +217,7 @@ unsafe fn qk_dot_impl<const T: u8>(
             let r = rem.min(8);
             // SAFETY: `lanes8` found AVX2 and FMA; the rows, keys and scores as for
             // `qk_lanes` (the caller's bounds).
-            unsafe { super::super::avx2::qk_lanes(qs, r, e, (k as *const f32, ldk, nk), sp, lds) };
+            unsafe { super::super::avx2::qk_lanes(qs, r, e, (k as *const f32, ldk, nk), sp, lds, None) };
             r0 += r;
             continue;
         }

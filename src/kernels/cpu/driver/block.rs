@@ -466,8 +466,8 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         // widens them in registers; `raw_v` is then the V operand.
         #[allow(unused_mut)] // only assigned on x86-64
         let mut raw_v: Option<super::super::view::Data> = None;
-        // Whether the score kernel asked for this block's V rows into the L2 (decode on
-        // AVX2 with strips of 16 rows), so that `P·V` may take register tiles.
+        // Whether the score kernel asked for this block's V rows into the L2 (decode of
+        // f32 rows on AVX2), so that `P·V` finds them there (and may take register tiles).
         let mut v_asked = false;
         // (V operand, V panel stride, V row stride)
         let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
@@ -536,8 +536,8 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             KvSrc::Rows => {
                 let (ks, ldk) = rows_f32(&p.k, bb, kvh, j0, nk, e, K_ALIGN, kp.as_mut_slice());
                 let (vs, ldv) = rows_f32(&p.v, bb, kvh, j0, nk, ev, V_ALIGN, vp.as_mut_slice());
-                // (On AVX2 the strips of 16 rows ask for the V rows into the L2 while they
-                // score, and `P·V` then takes register tiles: `avx2::qk_dot`.)
+                // (On AVX2 the score strips ask for the V rows into the L2 while they
+                // score: `avx2::qk_dot`, `avx2::pv_rows`.)
                 v_asked = isa.qk_dot(qb, rows, n, e, ks, ldk, nk, sb, step, Some((vs, ldv, ev)));
                 (vs, NR, ldv)
             }
