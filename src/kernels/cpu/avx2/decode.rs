@@ -78,33 +78,17 @@ unsafe fn qk_dot_impl<const T: u8>(
     while r0 < live {
         // (Each strip reads every K row of the block, so the first asks for every V row.)
         let va = if r0 == 0 { v } else { None };
-        // Fourteen rows or more of f32 keys: up to 16 rows in the lanes (`qk_lanes16`).
-        if T == F32 && live - r0 >= LANES16_MIN_ROWS && lanes_head_size(e) {
-            let r = (live - r0).min(16);
-            qk_lanes16(
-                q.add(r0 * e),
-                r,
-                e,
-                (k as *const f32, ldk, nk),
-                s.add(r0 * lds),
-                lds,
-                va,
-            );
-            r0 += r;
-            continue;
-        }
-        // Six rows or more of f32 keys: up to 8 rows in the lanes (`qk_lanes`).
+        // Six rows or more of f32 keys: up to 8 rows in the lanes (`qk_lanes`), and from
+        // fourteen up to 16 (`qk_lanes16`).
         if T == F32 && live - r0 >= LANES_MIN_ROWS && lanes_head_size(e) {
-            let r = (live - r0).min(8);
-            qk_lanes(
-                q.add(r0 * e),
-                r,
-                e,
-                (k as *const f32, ldk, nk),
-                s.add(r0 * lds),
-                lds,
-                va,
-            );
+            let wide = live - r0 >= LANES16_MIN_ROWS;
+            let r = (live - r0).min(if wide { 16 } else { 8 });
+            let (qs, kr, sp) = (q.add(r0 * e), (k as *const f32, ldk, nk), s.add(r0 * lds));
+            if wide {
+                qk_lanes16(qs, r, e, kr, sp, lds, va);
+            } else {
+                qk_lanes(qs, r, e, kr, sp, lds, va);
+            }
             r0 += r;
             continue;
         }
