@@ -94,14 +94,13 @@ unsafe fn qk_dot_impl<const T: u8>(
         }
         let r = (live - r0).min(MR);
         let (qs, sp, pf) = (q.add(r0 * e), s.add(r0 * lds), r0 == 0);
-        let pf = (pf, va);
         match r {
-            1 => qk_dot_strip::<T, 1, 4>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
-            2 => qk_dot_strip::<T, 2, 4>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
-            3 => qk_dot_strip::<T, 3, 4>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
-            4 => qk_dot_strip::<T, 4, 2>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
-            5 => qk_dot_strip::<T, 5, 2>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
-            _ => qk_dot_strip::<T, 6, 2>(qs, e, k, ldk, nk, sp, lds, pf.0, pf.1),
+            1 => qk_dot_strip::<T, 1, 4>(qs, e, k, ldk, nk, sp, lds, pf, va),
+            2 => qk_dot_strip::<T, 2, 4>(qs, e, k, ldk, nk, sp, lds, pf, va),
+            3 => qk_dot_strip::<T, 3, 4>(qs, e, k, ldk, nk, sp, lds, pf, va),
+            4 => qk_dot_strip::<T, 4, 2>(qs, e, k, ldk, nk, sp, lds, pf, va),
+            5 => qk_dot_strip::<T, 5, 2>(qs, e, k, ldk, nk, sp, lds, pf, va),
+            _ => qk_dot_strip::<T, 6, 2>(qs, e, k, ldk, nk, sp, lds, pf, va),
         }
         r0 += r;
     }
@@ -111,9 +110,9 @@ unsafe fn qk_dot_impl<const T: u8>(
 /// A decode block's V rows, for a score strip to ask for into the L2 while it runs
 /// ([`qk_dot`]): row 0, the row stride and the row length, in bytes.
 ///
-/// The decode score strips read K rows interleaved (2–8 keys' rows, 32 bytes of each in
-/// turn) and `P·V` reads four V rows at a time, which the hardware prefetchers follow
-/// poorly from DRAM; the kernels' own requests ask only `PF_KEYS` ahead, into the L1.
+/// The decode score strips read 2–8 keys' K rows at a time, a few bytes of each in turn,
+/// and `P·V` reads four V rows at a time, which the hardware prefetchers follow poorly
+/// from DRAM; the kernels' own requests ask only `PF_KEYS` ahead, into the L1.
 /// Asked for while the scores run, the V rows arrive while the strip works on K, and
 /// `P·V` finds them in the L2. AVX2 forced on the Zen 4 VM, both threads, f32, in-process
 /// probe (time asking over time not asking, 16 pairs): `decode_b4`'s shape 0.867,
@@ -799,10 +798,10 @@ unsafe fn pv_rows_impl<const T: u8>(
 }
 
 /// Fewest live rows whose `P·V` takes register tiles ([`pv_rows_tiles`]) over V rows
-/// in the L2. AVX2 forced on the Zen 4 VM, f32, in-process probe, time with tiles over
-/// time without, the V rows asked for in both: 1 row 1.15, 2 rows 1.07, 4 rows 1.44, 6
-/// rows 1.06, 8 rows 1.14, 12 rows 0.97 (kernel notes); from 14 rows, see
-/// [`qk_lanes16`].
+/// in the L2. AVX2 forced on the Zen 4 VM, f32, in-process probe, the V rows asked for
+/// in both, time with tiles over time without (the ratio of two readings against the
+/// same baseline): 1 row 1.15, 2 rows 1.07, 4 rows 1.44, 6 rows 1.06, 8 rows 1.14, 12
+/// rows 0.97 (kernel notes); from 14 rows, see [`qk_lanes16`].
 pub(in crate::kernels::cpu) const PV_TILES_MIN_ROWS: usize = LANES16_MIN_ROWS;
 
 /// Keys per chunk of [`pv_rows_tiles`]: 16 KB of V rows of 128, which stay in the L1
