@@ -405,7 +405,9 @@ fn decode_split_k() -> Result<()> {
 /// f32 K rows in place for up to 48 rows, with strips of up to 16 rows in the lanes from
 /// 12 rows on (and on Zen 4 of up to 8 rows from 7 on), and takes fewer keys per decode
 /// block where 512 would not fit the score buffer (48 rows of 64). AVX2 reads them in
-/// place for up to 32 rows, with strips of up to 8 rows in the lanes from 6 rows on. The
+/// place for up to 32 rows, with strips of up to 8 rows in the lanes from 6 rows on and
+/// of up to 16 from 14 (whose `P·V` then runs register tiles over V rows asked for while
+/// the scores ran). The
 /// portable kernel (and half precision, which `decode_split_k` and
 /// `decode_blocks_follow_growing_scores` cover) packs each block from 25 rows on. Two
 /// groups, so the key range is split across threads too; 1100 keys, so a decode block

@@ -745,15 +745,7 @@ unsafe fn pv_rows_impl<const T: u8>(
     ldo: usize,
     alpha: &[f32],
 ) {
-    for (r, &a) in alpha.iter().enumerate().take(live) {
-        if a != 1.0 {
-            let av = _mm256_set1_ps(a);
-            let orow = o.add(r * ldo);
-            for c in (0..ncols).step_by(8) {
-                _mm256_storeu_ps(orow.add(c), _mm256_mul_ps(av, _mm256_loadu_ps(orow.add(c))));
-            }
-        }
-    }
+    rescale_rows(live, o, ldo, ncols, alpha);
     let size = if T == F32 { 4 } else { 2 };
     let mut j = 0;
     while j < nk {
@@ -797,6 +789,26 @@ unsafe fn pv_rows_impl<const T: u8>(
     }
 }
 
+/// `O[r] *= alpha[r]` for the first `live` output rows (`ncols` columns, a multiple of
+/// 8, row stride `ldo`), skipping rows whose factor is 1: the start of [`pv_rows_impl`]
+/// and [`pv_rows_tiles`].
+///
+/// # Safety
+/// AVX must be available; `o` holds `live` rows of `ncols` floats.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn rescale_rows(live: usize, o: *mut f32, ldo: usize, ncols: usize, alpha: &[f32]) {
+    for (r, &a) in alpha.iter().enumerate().take(live) {
+        if a != 1.0 {
+            let av = _mm256_set1_ps(a);
+            let orow = o.add(r * ldo);
+            for c in (0..ncols).step_by(8) {
+                _mm256_storeu_ps(orow.add(c), _mm256_mul_ps(av, _mm256_loadu_ps(orow.add(c))));
+            }
+        }
+    }
+}
+
 /// Fewest live rows whose `P·V` takes register tiles ([`pv_rows_tiles`]) over V rows
 /// in the L2. AVX2 forced on the Zen 4 VM, f32, in-process probe, the V rows asked for
 /// in both, time with tiles over time without (the ratio of two readings against the
@@ -834,15 +846,7 @@ unsafe fn pv_rows_tiles(
     ldo: usize,
     alpha: &[f32],
 ) {
-    for (r, &a) in alpha.iter().enumerate().take(live) {
-        if a != 1.0 {
-            let av = _mm256_set1_ps(a);
-            let orow = o.add(r * ldo);
-            for c in (0..ncols).step_by(8) {
-                _mm256_storeu_ps(orow.add(c), _mm256_mul_ps(av, _mm256_loadu_ps(orow.add(c))));
-            }
-        }
-    }
+    rescale_rows(live, o, ldo, ncols, alpha);
     let mut j = 0;
     while j < nk {
         let kn = (nk - j).min(PV_TILE_KEYS);
