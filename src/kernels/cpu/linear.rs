@@ -133,7 +133,7 @@ fn linear_in_place_on(selected: Isa, x: &Tensor, w: &Tensor, b: Option<&Tensor>)
                     unsafe {
                         match isa {
                             Isa::Avx512 => {
-                                avx512::qk_dot_raw(&q, padded, rows, inp, k, (inp, nk, ahead), sj, n)
+                                avx512::qk_dot_raw(&q, padded, rows, inp, k, (inp, nk, ahead), sj, n, None);
                             }
                             // `reads_in_place` admits only these two.
                             _ => {

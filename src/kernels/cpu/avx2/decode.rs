@@ -37,16 +37,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot(
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
     // (Only asked for, never read: a prefetch cannot fault, but the rows must be there
     // for `pv_rows` anyway.)
-    let v = v.map(|(vs, ldv, ev)| {
-        let (base, vlen, vkind) = rows_of(vs);
-        assert!(nk == 0 || vlen >= (nk - 1) * ldv + ev);
-        let size = if vkind == F32 { 4 } else { 2 };
-        VRows {
-            base,
-            stride: ldv * size,
-            len: ev * size,
-        }
-    });
+    let v = v.map(|(vs, ldv, ev)| VRows::new(vs, ldv, ev, nk));
     let (q, s) = (q.as_ptr(), s.as_mut_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
@@ -105,42 +96,6 @@ unsafe fn qk_dot_impl<const T: u8>(
         r0 += r;
     }
     v.is_some() && live > 0
-}
-
-/// A decode block's V rows, for a score strip to ask for into the L2 while it runs
-/// ([`qk_dot`]): row 0, the row stride and the row length, in bytes.
-///
-/// The decode score strips read 2–8 keys' K rows at a time, a few bytes of each in turn,
-/// and `P·V` reads four V rows at a time, which the hardware prefetchers follow poorly
-/// from DRAM; the kernels' own requests ask only `PF_KEYS` ahead, into the L1.
-/// Asked for while the scores run, the V rows arrive while the strip works on K, and
-/// `P·V` finds them in the L2. AVX2 forced on the Zen 4 VM, both threads, f32, in-process
-/// probe (time asking over time not asking, 16 pairs): `decode_b4`'s shape 0.867,
-/// `decode_gqa`'s 0.648, 4 rows over 16384 keys 0.650, 2 rows 0.816, 6 rows 0.723, 8
-/// rows 0.845, 12 rows 0.875 (kernel notes).
-#[derive(Clone, Copy)]
-pub(in crate::kernels::cpu) struct VRows {
-    base: *const u8,
-    stride: usize,
-    len: usize,
-}
-
-impl VRows {
-    /// Asks for rows `j0..j0 + n`, whole, into the L2 (past the block's last key too: a
-    /// prefetch never faults).
-    #[inline]
-    fn ask(&self, j0: usize, n: usize) {
-        for j in j0..j0 + n {
-            prefetch_bytes_l2(self.base.wrapping_add(j * self.stride), self.len);
-        }
-    }
-
-    /// Row `j`'s start where the rows follow each other and are `len` bytes long, so that
-    /// a loop can ask for them line by line.
-    #[inline]
-    fn contiguous(&self, len: usize, j: usize) -> Option<*const u8> {
-        (self.stride == self.len && self.len == len).then(|| self.base.wrapping_add(j * self.stride))
-    }
 }
 
 /// Fewest live rows that [`qk_dot_impl`] puts in the lanes of one strip ([`qk_lanes`]):

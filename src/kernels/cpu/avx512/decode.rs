@@ -79,14 +79,23 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot(
             (k.as_ptr() as *const u8, ldk, nk, Ahead::Off),
             s.as_mut_ptr(),
             lds,
+            None,
         )
-    }
+    };
 }
 
 /// [`qk_dot`] with K rows read straight from the source (f32, bf16 or f16), widened in
 /// registers (decode path). Half-precision keys need `e % 16 == 0`. With bf16 keys, the
 /// Q rows must be in the split layout of [`split_pairs`]. `ahead` says what to ask for
 /// ahead of reading it (a hint: results do not depend on it).
+///
+/// `v`: the block's V rows (`(rows, row stride, row length)`, one per key), for the
+/// first strip to ask for into the L2 while it scores f32 K rows ([`VRows`]): a strip
+/// with the rows in the lanes where the V rows hold [`V_ASK_MIN_EV_LANES`] elements or
+/// more, a register strip (E = 64, 128 or 256) where they hold [`V_ASK_MIN_EV_STRIPS`]
+/// or more. Returns whether it did. With f16/bf16 K rows nothing is asked for (on the
+/// Zen 4 VM, rows of 256: bf16 0.990–1.116 of the time without, f16 0.771–1.107; kernel
+/// notes).
 ///
 /// # Safety
 /// AVX-512F must be available.
@@ -100,19 +109,24 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot_raw(
     (ldk, nk, ahead): (usize, usize, Ahead),
     s: &mut [f32],
     lds: usize,
-) {
+    v: Option<(Data, usize, usize)>,
+) -> bool {
     let (ptr, len) = data_ptr(k);
     assert!(rows.is_multiple_of(MR) && lds >= nk && q.len() >= rows * e);
     assert!(matches!(k, Data::F32(_)) || e.is_multiple_of(16));
     assert!(nk == 0 || len >= (nk - 1) * ldk + e);
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
     let (qp, live, sp) = (q.as_ptr(), live.min(rows), s.as_mut_ptr());
+    // (Only f32 K rows ask for V rows, and only for rows of `V_ASK_MIN_EV_LANES` or more.)
+    let v = v
+        .filter(|&(_, _, ev)| ev >= V_ASK_MIN_EV_LANES)
+        .map(|(vs, ldv, ev)| VRows::new(vs, ldv, ev, nk));
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match k {
-            Data::F32(_) => qk_dot_impl::<F32>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds),
-            Data::BF16(_) => qk_dot_impl::<BF16>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds),
-            Data::F16(_) => qk_dot_impl::<F16>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds),
+            Data::F32(_) => qk_dot_impl::<F32>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds, v),
+            Data::BF16(_) => qk_dot_impl::<BF16>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds, None),
+            Data::F16(_) => qk_dot_impl::<F16>(qp, rows, live, e, (ptr, ldk, nk, ahead), sp, lds, None),
         }
     }
 }
@@ -199,15 +213,20 @@ unsafe fn qk_dot_impl<const T: u8>(
     (k, ldk, nk, ahead): (*const u8, usize, usize, Ahead),
     s: *mut f32,
     lds: usize,
-) {
+    v: Option<VRows>,
+) -> bool {
+    let mut asked = false;
     let mut r0 = 0;
     while r0 < live {
         let (qs, sp) = (q.add(r0 * e), s.add(r0 * lds));
         let rem = live - r0;
-        // Twelve rows or more of f32 keys: up to 16 rows in the lanes (`qk_lanes`).
+        // Twelve rows or more of f32 keys: up to 16 rows in the lanes (`qk_lanes`); the
+        // first such strip asks for the V rows.
         if T == F32 && rem >= LANES_MIN_ROWS && lanes_head_size(e) {
             let r = rem.min(16);
-            qk_lanes(qs, r, e, (k as *const f32, ldk, nk), sp, lds);
+            let va = if r0 == 0 { v } else { None };
+            asked |= va.is_some();
+            qk_lanes(qs, r, e, (k as *const f32, ldk, nk), sp, lds, va);
             r0 += r;
             continue;
         }
@@ -217,7 +236,9 @@ unsafe fn qk_dot_impl<const T: u8>(
             let r = rem.min(8);
             // SAFETY: `lanes8` found AVX2 and FMA; the rows, keys and scores as for
             // `qk_lanes` (the caller's bounds).
-            unsafe { super::super::avx2::qk_lanes(qs, r, e, (k as *const f32, ldk, nk), sp, lds, None) };
+            let va = if r0 == 0 { v } else { None };
+            asked |= va.is_some();
+            unsafe { super::super::avx2::qk_lanes(qs, r, e, (k as *const f32, ldk, nk), sp, lds, va) };
             r0 += r;
             continue;
         }
@@ -228,7 +249,12 @@ unsafe fn qk_dot_impl<const T: u8>(
             256 => rem.min(4),
             _ => rem.min(MR),
         };
-        let args = (qs, k, ldk, nk, sp, lds, ahead);
+        // (The first strip asks for V rows of `V_ASK_MIN_EV_STRIPS` or more, each key's
+        // as it reads the K row; the strips of other head sizes ask for nothing.)
+        let vs =
+            v.filter(|v| r0 == 0 && matches!(e, 64 | 128 | 256) && v.row_bytes() >= 4 * V_ASK_MIN_EV_STRIPS);
+        asked |= vs.is_some();
+        let args = (qs, k, ldk, nk, sp, lds, ahead, vs);
         let kr = (k, ldk, nk, ahead);
         match (e, r) {
             (64, 1) => qk_rows_strip_reg::<T, 1, 1, 4>(args),
@@ -264,7 +290,28 @@ unsafe fn qk_dot_impl<const T: u8>(
     for r in live..rows {
         std::ptr::write_bytes(s.add(r * lds), 0, nk);
     }
+    asked
 }
+
+/// Shortest f32 V rows (elements) that [`qk_dot_raw`] asks for into the L2 while its
+/// first strip scores with the rows in the lanes ([`qk_lanes`], and the AVX2 strips of
+/// [`lanes8`]): those strips read 8 or 16 K rows interleaved, and `P·V` reads the V
+/// rows in tiles of a few panels ([`pv_rows`]). On the Zen 4 VM (both threads, f32,
+/// in-process probe, time asking over time not, 16–24 pairs, outputs the same bits):
+/// rows of 256 with 8 rows per group 0.686–0.777 (from DRAM 0.732), 16 rows 0.856–0.864;
+/// rows of 128 with 7–10 rows 0.891–0.957 (from DRAM 0.970–1.005), 12–32 rows over 2048
+/// keys (K/V in the L3) 0.933–0.994 and over 4096 keys 0.967–1.081 (from DRAM
+/// 0.956–1.040); rows of 96 0.981 and 1.004; rows of 64 1.028–1.096, hence not those
+/// (kernel notes, "AVX-512 decode asks for V rows too").
+pub(in crate::kernels::cpu) const V_ASK_MIN_EV_LANES: usize = 128;
+
+/// Shortest f32 V rows (elements) that [`qk_dot_raw`] asks for into the L2 while its
+/// first strip scores with the head dimension in the lanes ([`qk_rows_strip_reg`], each
+/// key's V row as its K row is read). Gemma's heads of 256 on the Zen 4 VM (as for
+/// [`V_ASK_MIN_EV_LANES`]): 1 row per group 0.830 (from DRAM 0.957), 2 rows 0.835–0.871
+/// (from DRAM 0.774), 4 rows 0.754; with rows of 128, 1.137 (2 rows), as in an earlier
+/// try (1.022 on `decode_b4`'s and `decode_gqa`'s shapes), hence not those.
+pub(in crate::kernels::cpu) const V_ASK_MIN_EV_STRIPS: usize = 256;
 
 /// Fewest live rows that [`qk_dot_impl`] puts in the lanes of one strip ([`qk_lanes`]):
 /// a strip of 12 leaves a quarter of each vector idle. On the Zen 4 VM (both threads,
@@ -321,6 +368,10 @@ pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
 /// rows of 128 against 256 keys in L2: 100–104 GFLOP/s against 84–86 for two strips of
 /// 8 rows, with a one-core peak of about 117.
 ///
+/// With `v`, each tile also asks for its 16 keys' V rows into the L2 ([`VRows`]): four
+/// lines per loop where they follow each other and are as long as the K rows, else all
+/// of them before the tile.
+///
 /// # Safety
 /// AVX-512F must be available; `qs` holds `nr` rows of `e` elements
 /// ([`lanes_head_size`]); K rows `0..nk` at `k + j·ldk` hold `e` elements; `s` holds
@@ -336,6 +387,7 @@ unsafe fn qk_lanes(
     (k, ldk, nk): (*const f32, usize, usize),
     s: *mut f32,
     lds: usize,
+    v: Option<VRows>,
 ) {
     debug_assert!(nr <= 16 && lanes_head_size(e));
     // Q rows padded to 16 with zeros, then transposed: `qt[x·16 + r]`, written whole for
@@ -362,9 +414,19 @@ unsafe fn qk_lanes(
                 prefetch_bytes(next.wrapping_add(c * ldk) as *const u8, e * 4);
             }
         }
+        // This tile's V rows, four lines per loop if they follow each other and are `e`
+        // long (the loop runs `e/4` times over the `e` lines of 16 rows), else all of
+        // them now.
+        let vpf = v.and_then(|v| {
+            let at = v.contiguous(4 * e, j);
+            if at.is_none() || cnt < 16 {
+                v.ask(j, cnt);
+            }
+            at
+        });
         let acc = if cnt == 16 {
             // SAFETY: 16 rows of `e` elements from `k + j·ldk`, and `e` steps of `qt`.
-            unsafe { lanes_loop_16(k.add(j * ldk), ldk * 4, qt, e / 4, follow.then_some(next)) }
+            unsafe { lanes_loop_16(k.add(j * ldk), ldk * 4, qt, e / 4, (follow.then_some(next), vpf)) }
         } else {
             // A tail of fewer than 16 keys: the lanes of keys past `nk` repeat the last
             // key, and their scores are not stored.
@@ -454,7 +516,8 @@ macro_rules! lanes_step {
 /// addressed from four group pointers and `l`, `2·l`, `3·l`, four steps per pass; in
 /// intrinsics the compiler kept 16 row pointers and reloaded six of them from the stack
 /// at every step. With `next`, each pass also asks for four lines from `next` on (one
-/// per step: the next 16 rows when they follow each other).
+/// per step: the next 16 rows when they follow each other), and with `v` four lines from
+/// `v` on into the L2.
 ///
 /// # Safety
 /// AVX-512F must be available; the 16 rows hold `4·n` floats each, `qt` `64·n`.
@@ -465,7 +528,7 @@ unsafe fn lanes_loop_16(
     l: usize,
     qt: *const f32,
     n: usize,
-    next: Option<*const f32>,
+    (next, v): (Option<*const f32>, Option<*const u8>),
 ) -> [__m512; 16] {
     let z = _mm512_setzero_ps();
     let (mut c0, mut c1, mut c2, mut c3, mut c4, mut c5, mut c6, mut c7) = (z, z, z, z, z, z, z, z);
@@ -474,9 +537,13 @@ unsafe fn lanes_loop_16(
         return [z; 16];
     }
     let g0 = k as *const u8;
-    // Without `next`, the prefetches ask for the first rows' lines again, in place.
+    // Without `next` (`v`), the prefetches ask for the first rows' lines again, in place.
     let (pf, pfs) = match next {
         Some(p) => (p as *const u8, 256usize),
+        None => (g0, 0),
+    };
+    let (vp, vps) = match v {
+        Some(p) => (p, 256usize),
         None => (g0, 0),
     };
     // SAFETY: the caller guarantees the rows and `qt`; prefetches never fault.
@@ -486,6 +553,10 @@ unsafe fn lanes_loop_16(
         "prefetcht0 [{pf} + 64]",
         "prefetcht0 [{pf} + 128]",
         "prefetcht0 [{pf} + 192]",
+        "prefetcht1 [{vp}]",
+        "prefetcht1 [{vp} + 64]",
+        "prefetcht1 [{vp} + 128]",
+        "prefetcht1 [{vp} + 192]",
         lanes_step!("0", "0"),
         lanes_step!("64", "4"),
         lanes_step!("128", "8"),
@@ -496,6 +567,7 @@ unsafe fn lanes_loop_16(
         "add {g3}, 16",
         "add {qt}, 256",
         "add {pf}, {pfs}",
+        "add {vp}, {vps}",
         "dec {n}",
         "jnz 2b",
         g0 = inout(reg) g0 => _,
@@ -507,6 +579,8 @@ unsafe fn lanes_loop_16(
         qt = inout(reg) qt => _,
         pf = inout(reg) pf => _,
         pfs = in(reg) pfs,
+        vp = inout(reg) vp => _,
+        vps = in(reg) vps,
         n = inout(reg) n => _,
         out("zmm16") _,
         inout("zmm0") c0, inout("zmm1") c1, inout("zmm2") c2, inout("zmm3") c3,
@@ -521,8 +595,17 @@ unsafe fn lanes_loop_16(
 }
 
 /// `(Q strip rows, K base, K row stride, key count, score rows, score row stride, what
-/// to ask for ahead)`.
-type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize, Ahead);
+/// to ask for ahead, V rows to ask for into the L2)`.
+type DotArgs = (
+    *const f32,
+    *const u8,
+    usize,
+    usize,
+    *mut f32,
+    usize,
+    Ahead,
+    Option<VRows>,
+);
 
 /// [`qk_dot_impl`] for `R` rows of `e = 16·EQ` elements, the first `QR` of them held in
 /// registers (`QR·EQ ≤ 16` vectors) and the others read from L1 by their FMAs: per key,
@@ -530,11 +613,12 @@ type DotArgs = (*const f32, *const u8, usize, usize, *mut f32, usize, Ahead);
 /// reads each K row once, where strips of only the rows whose Q fits in registers read
 /// it once per strip. Measured on the Intel Xeon VM (one thread, f32, 64 keys of 128
 /// elements in L1, best of five): 2.99 ns per key and row with 8 rows against 4.70
-/// with 2 (kernel notes, "Score strips of up to 8 rows").
+/// with 2 (kernel notes, "Score strips of up to 8 rows"). With V rows, each key's V row
+/// is asked for into the L2 as its K row is read ([`V_ASK_MIN_EV_STRIPS`]).
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const EQ: usize>(
-    (qs, k, ldk, nk, s, lds, ahead): DotArgs,
+    (qs, k, ldk, nk, s, lds, ahead, vrows): DotArgs,
 ) {
     debug_assert!(QR <= R && QR * EQ <= 16);
     let mut qv = [[_mm512_setzero_ps(); EQ]; QR];
@@ -562,6 +646,9 @@ unsafe fn qk_rows_strip_reg<const T: u8, const R: usize, const QR: usize, const 
         let cnt = (nk - j).min(16);
         let key = |c: usize| {
             let kr = (j + c) * ldk;
+            if let Some(v) = vrows {
+                v.ask(j + c, 1);
+            }
             if skip > 0 {
                 prefetch_bytes(k.wrapping_add(kr * size + skip), EQ * 16 * size);
             }
@@ -850,6 +937,62 @@ mod tests {
         false
     }
 
+    /// `qk_dot_raw` asks for the V rows exactly where its rule says (f32 K rows; a first
+    /// strip with the rows in the lanes and V rows of `V_ASK_MIN_EV_LANES` or more, or a
+    /// first register strip and V rows of `V_ASK_MIN_EV_STRIPS` or more), says so, and
+    /// asking changes no score: every kind of first strip (1–48 rows; head sizes with
+    /// register strips and one without), V rows that follow each other and are as long
+    /// as the K rows (asked for line by line in the lanes' loop), shorter and longer
+    /// ones, rows with a gap, and f16/bf16 K rows, which ask for nothing.
+    #[test]
+    fn decode_scores_ask_for_v_rows_where_the_rule_says_without_changing_them() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("note: no AVX-512F on this machine; decode scores not exercised");
+            return;
+        }
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        let nk = 69;
+        for (e, ev, ldv) in [
+            (128usize, 128usize, 128usize),
+            (256, 256, 256),
+            (64, 256, 272),
+            (256, 128, 144),
+            (64, 64, 64),
+            (128, 96, 96),
+            (80, 256, 256),
+        ] {
+            let k: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
+            let kb: Vec<half::bf16> = k.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let kh: Vec<half::f16> = k.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let v: Vec<f32> = (0..nk * ldv).map(|i| val(i, 5)).collect();
+            for live in [1usize, 2, 4, 5, 7, 8, 11, 12, 16, 20, 32, 48] {
+                let rows = live.div_ceil(MR) * MR;
+                let q: Vec<f32> = (0..rows * e).map(|i| val(i, 11)).collect();
+                // The first strip's kind, as `qk_dot_impl` picks it.
+                let lanes =
+                    lanes_head_size(e) && (live >= LANES_MIN_ROWS || (live >= LANES8_MIN_ROWS && lanes8()));
+                let reg = !lanes && matches!(e, 64 | 128 | 256);
+                for kd in [Data::F32(&k), Data::BF16(&kb), Data::F16(&kh)] {
+                    let (mut s0, mut s1) = (vec![f32::NAN; rows * nk], vec![f32::NAN; rows * nk]);
+                    let vd = Some((Data::F32(&v), ldv, ev));
+                    // SAFETY: AVX-512F detected above; K, V and the scores as required.
+                    let asked0 =
+                        unsafe { qk_dot_raw(&q, rows, live, e, kd, (e, nk, Ahead::Off), &mut s0, nk, None) };
+                    // SAFETY: as above.
+                    let asked1 =
+                        unsafe { qk_dot_raw(&q, rows, live, e, kd, (e, nk, Ahead::Off), &mut s1, nk, vd) };
+                    assert!(!asked0);
+                    let f32_k = matches!(kd, Data::F32(_));
+                    let want =
+                        f32_k && ((lanes && ev >= V_ASK_MIN_EV_LANES) || (reg && ev >= V_ASK_MIN_EV_STRIPS));
+                    assert_eq!(asked1, want, "e {e}, ev {ev}, live {live}, f32 K {f32_k}");
+                    let same = s0.iter().zip(&s1).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "e {e}, ev {ev}, ldv {ldv}, live {live}: scores changed");
+                }
+            }
+        }
+    }
+
     /// `qk_dot_raw` against f64 dot products for every live row count of a decode group
     /// (1..=48, so every score strip and its dispatch arm, f32 strips of one and two rows
     /// taking each key's sums at once, `per_key_sums`, and f32 strips of 12 to 16 rows in
@@ -907,7 +1050,7 @@ mod tests {
                     // the last key too).
                     let ahead = [Ahead::Off, Ahead::Keys(8), Ahead::Bytes(256)][live % 3];
                     // SAFETY: AVX-512F detected above.
-                    unsafe { qk_dot_raw(&qk, rows, live, e, k, (ldk, nk, ahead), &mut s, lds) };
+                    unsafe { qk_dot_raw(&qk, rows, live, e, k, (ldk, nk, ahead), &mut s, lds, None) };
                     for r in 0..rows {
                         for j in 0..nk {
                             let got = s[r * lds + j] as f64;

@@ -484,8 +484,11 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                         0 => avx512::Ahead::Off,
                         d => avx512::Ahead::Keys(d),
                     };
+                    // (Its first strip may ask for the V rows into the L2 as it scores;
+                    // `avx512::pv_rows` reads them the same way either way.)
+                    let v = Some((vd, ldv, ev));
                     // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
-                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, keys), sb, step) };
+                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, keys), sb, step, v) };
                 } else {
                     // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
                     unsafe { avx2::qk_dot(qb, rows, n, e, kd, ldk, nk, sb, step, None) };
