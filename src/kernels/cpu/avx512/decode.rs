@@ -792,6 +792,51 @@ unsafe fn qk_rows_strip<const T: u8, const R: usize>(
 /// 512-bit FMAs (Intel's server cores, Zen 5).
 const PV_CHUNKS_MIN_ROWS_F32: usize = 12;
 
+/// The most panels of a chunk of [`pv_rows`] (16, 8, 4, 2 or 1 at a time, even starts,
+/// so that bf16 pairs stay whole): see there.
+fn pv_chunk_cap<const T: u8>(live: usize, nvp: usize) -> usize {
+    match live {
+        _ if T == F32 && nvp <= 8 && live < PV_CHUNKS_MIN_ROWS_F32 => 16,
+        0 | 1 => 16,
+        2 => 8,
+        _ => 4,
+    }
+}
+
+/// How many keys [`pv_rows`] takes at a time, all its panel chunks over them before the
+/// next keys: [`PV_HALF_SUB_KEYS`] for half-precision V rows of 2 to
+/// [`PV_HALF_SUB_MAX_ROWS`] live rows whose rows the chunks split, else all `nk` (at
+/// least 1, so that `nk = 0` still scales the output by `α`).
+fn pv_key_step<const T: u8>(live: usize, nvp: usize, nk: usize) -> usize {
+    if T != F32 && (2..=PV_HALF_SUB_MAX_ROWS).contains(&live) && nvp > pv_chunk_cap::<T>(live, nvp) {
+        PV_HALF_SUB_KEYS
+    } else {
+        nk.max(1)
+    }
+}
+
+/// Most live rows for which [`pv_key_step`] takes half-precision V rows in parts of
+/// [`PV_HALF_SUB_KEYS`] keys.
+const PV_HALF_SUB_MAX_ROWS: usize = 5;
+
+/// Keys per part of a half-precision `P·V` of a few rows whose panel chunks split the V
+/// rows ([`pv_key_step`]). In one pass over all keys of a decode block (up to 512), each
+/// chunk read its columns of every V row (a quarter or half of each) before the next
+/// chunk began, so each row was fetched from memory in pieces far apart in time; f32 rows
+/// are asked for into the L2 by the scores ([`V_ASK_MIN_EV_LANES`]), half-precision rows
+/// are not (it did not pay). In parts of 32 keys, all chunks of a part read its rows
+/// while they are in the L1. On the Zen 4 VM (both threads, in-process probe, time in
+/// parts over time in one pass, 12–16 pairs, outputs the same bits), from DRAM: f16 4
+/// rows (`4,32,8,1,4096,128`) 0.706–0.944, 2 rows of 256 0.726–0.790; bf16 2 rows of
+/// 256 0.863–0.948, and without AVX512-BF16 (which takes bf16 groups of 3 rows or more
+/// elsewhere) 4 rows 0.930. With K/V in the L3 or about its size: f16 3 rows
+/// 0.847–0.867, 4 rows 0.914–1.016, 5 rows 0.947, but 2 rows of 256 0.979–1.098; bf16 2
+/// rows of 256 1.005–1.047, and without AVX512-BF16 3 rows 0.877 (a model's layers
+/// stream their caches from DRAM). 6 to 16 f16 rows read 0.996–1.048, and f32 rows
+/// (whose V rows the scores ask for) 0.984–1.053, so those keep one pass (kernel notes,
+/// "Half-precision `P·V` of a few rows in parts of 32 keys").
+const PV_HALF_SUB_KEYS: usize = 32;
+
 /// Decode `O = α·O + P·V` for the first `live` rows that walks each V row to its end
 /// before the next, keys in order (see [`qk_dot_impl`] for why): P `live × nk` with row
 /// stride `ldp ≥ nk`; V row `j` at element `j·ldv` of `v` (f32, or half precision read in
@@ -805,7 +850,9 @@ const PV_CHUNKS_MIN_ROWS_F32: usize = 12;
 /// rows and at 4 for 3 or more, except for f32 rows with `nvp ≤ 8` and fewer than
 /// [`PV_CHUNKS_MIN_ROWS_F32`] live rows, whose chunks stay whole (from DRAM, f32 rows of
 /// 3–8 live rows read in 4-panel chunks ran up to 16% slower on the Intel VM; kernel
-/// notes, "`P·V` tiles of more rows").
+/// notes, "`P·V` tiles of more rows"). Half-precision rows of 2 to
+/// [`PV_HALF_SUB_MAX_ROWS`] live rows whose chunks split the V rows run all chunks over
+/// [`PV_HALF_SUB_KEYS`] keys at a time ([`pv_key_step`]).
 /// For bf16 rows, the output columns of each whole panel pair (`2m`, `2m + 1 < nvp`)
 /// come out in the split layout of [`split_pairs`]: the caller applies
 /// [`merge_pairs`] once all keys are in.
@@ -850,14 +897,44 @@ unsafe fn pv_rows_impl<const T: u8>(
     ldo: usize,
     alpha: *const f32,
 ) {
-    // Panel chunks of 16, 8, 4, 2, 1 (even starts, so bf16 pairs stay whole), at most
-    // `cap` panels (see `pv_rows`).
-    let cap = match live {
-        _ if T == F32 && nvp <= 8 && live < PV_CHUNKS_MIN_ROWS_F32 => 16,
-        0 | 1 => 16,
-        2 => 8,
-        _ => 4,
-    };
+    let cap = pv_chunk_cap::<T>(live, nvp);
+    // The keys in parts of `step`, all chunks of each part in turn (see
+    // `PV_HALF_SUB_KEYS`); each output is the same chain of FMAs as in one pass, the later
+    // parts starting from the stored outputs times 1.
+    let step = pv_key_step::<T>(live, nvp, nk);
+    // (Read as `α` by the later parts only, which only rows of up to
+    // `PV_HALF_SUB_MAX_ROWS` take.)
+    let ones = [1f32; PV_HALF_SUB_MAX_ROWS];
+    debug_assert!(step >= nk || live <= PV_HALF_SUB_MAX_ROWS);
+    let size = elem_bytes::<T>();
+    let mut j0 = 0;
+    loop {
+        let cnt = (nk - j0).min(step);
+        let al = if j0 == 0 { alpha } else { ones.as_ptr() };
+        let (pj, vj) = (p.add(j0), v.add(j0 * ldv * size));
+        pv_chunks::<T>((pj, ldp), (live, cnt), vj, (ldv, nvp, ahead), o, ldo, al, cap);
+        j0 += cnt;
+        if j0 >= nk {
+            break;
+        }
+    }
+}
+
+/// [`pv_rows_impl`] for keys `0..nk`: chunks of up to `cap` panels in turn, each over
+/// tiles of the live rows.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_chunks<const T: u8>(
+    (p, ldp): (*const f32, usize),
+    (live, nk): (usize, usize),
+    v: *const u8,
+    (ldv, nvp, ahead): (usize, usize, usize),
+    o: *mut f32,
+    ldo: usize,
+    alpha: *const f32,
+    cap: usize,
+) {
     let mut n0 = 0;
     while n0 < nvp {
         let n = [16, 8, 4, 2, 1]
@@ -935,6 +1012,101 @@ mod tests {
             r0 += n;
         }
         false
+    }
+
+    /// `pv_rows` over half-precision V rows in parts of `PV_HALF_SUB_KEYS` keys gives the
+    /// same bits as one pass over all keys (`pv_chunks` with the same chunks), with
+    /// `α ≠ 1` (applied once), key counts around the part size, V rows of 128 and 256
+    /// elements with and without room after each, and 1–6 live rows (the parts run for
+    /// 2–5: checked, so that the comparison is not of a path with itself); f16 also
+    /// against f64.
+    #[test]
+    fn half_precision_values_in_key_parts_equal_one_pass() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("note: no AVX-512F on this machine; decode values not exercised");
+            return;
+        }
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        let mut parts_seen = 0;
+        for (nvp, ldv) in [(8usize, 128usize), (16, 256), (8, 144), (16, 272)] {
+            for nk in [5usize, 31, 32, 33, 64, 100] {
+                let vf: Vec<f32> = (0..nk * ldv).map(|i| val(i, 5)).collect();
+                let vh: Vec<half::f16> = vf.iter().map(|&x| half::f16::from_f32(x)).collect();
+                let vb: Vec<half::bf16> = vf.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                for live in 1..=6usize {
+                    let (ldp, ldo) = (nk + 3, nvp * NR + 16);
+                    let p: Vec<f32> = (0..live * ldp).map(|i| val(i, 7).abs()).collect();
+                    let alpha: Vec<f32> = (0..live).map(|r| if r % 2 == 1 { 0.75 } else { 1.0 }).collect();
+                    let o0: Vec<f32> = (0..live * ldo).map(|i| val(i, 13)).collect();
+                    for (d, f16) in [(Data::F16(&vh), true), (Data::BF16(&vb), false)] {
+                        let (mut a, mut b) = (o0.clone(), o0.clone());
+                        let (pp, vp, al) = (p.as_ptr(), data_ptr(d).0, alpha.as_ptr());
+                        // SAFETY: AVX-512F detected above; P, V and O as `pv_rows` requires.
+                        unsafe {
+                            pv_rows((&p, ldp), live, nk, d, (ldv, nvp, 0), &mut a, ldo, &alpha);
+                            let step = if f16 {
+                                let cap = pv_chunk_cap::<F16>(live, nvp);
+                                pv_chunks::<F16>(
+                                    (pp, ldp),
+                                    (live, nk),
+                                    vp,
+                                    (ldv, nvp, 0),
+                                    b.as_mut_ptr(),
+                                    ldo,
+                                    al,
+                                    cap,
+                                );
+                                pv_key_step::<F16>(live, nvp, nk)
+                            } else {
+                                let cap = pv_chunk_cap::<BF16>(live, nvp);
+                                pv_chunks::<BF16>(
+                                    (pp, ldp),
+                                    (live, nk),
+                                    vp,
+                                    (ldv, nvp, 0),
+                                    b.as_mut_ptr(),
+                                    ldo,
+                                    al,
+                                    cap,
+                                );
+                                pv_key_step::<BF16>(live, nvp, nk)
+                            };
+                            // Parts where the chunks split the rows: 3–5 rows (4-panel
+                            // chunks), 2 rows of 16 panels (8-panel chunks).
+                            let split = match live {
+                                2 => nvp > 8,
+                                3..=5 => true,
+                                _ => false,
+                            };
+                            assert_eq!(
+                                step < nk,
+                                split && nk > PV_HALF_SUB_KEYS,
+                                "live {live}, nvp {nvp}"
+                            );
+                            parts_seen += usize::from(step < nk);
+                        }
+                        let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(same, "nvp {nvp}, ldv {ldv}, nk {nk}, live {live}, f16 {f16}");
+                        if f16 {
+                            for r in 0..live {
+                                for c in 0..nvp * NR {
+                                    let dot: f64 = (0..nk)
+                                        .map(|j| p[r * ldp + j] as f64 * vh[j * ldv + c].to_f64())
+                                        .sum();
+                                    let want = alpha[r] as f64 * o0[r * ldo + c] as f64 + dot;
+                                    let got = a[r * ldo + c] as f64;
+                                    assert!(
+                                        (got - want).abs() <= 1e-4,
+                                        "row {r} col {c}: {got} against {want}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(parts_seen > 0);
     }
 
     /// `qk_dot_raw` asks for the V rows exactly where its rule says (f32 K rows; a first
