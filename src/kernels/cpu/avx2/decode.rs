@@ -537,9 +537,23 @@ unsafe fn lanes_loop_8(
     [c0, c1, c2, c3, c4, c5, c6, c7]
 }
 
+/// Shortest K rows (bytes) whose strips of 4 keys ([`qk_dot_strip`], 1–3 rows) ask for
+/// the K rows ahead and the V rows one line at a time as the loop reads, rather than
+/// all of a pass's rows before it: at 1 KB per row that was 64 K and 64 V lines asked
+/// for at once before each pass of 4 keys. AVX2 forced on the Zen 4 VM (both threads,
+/// f32, in-process probe, time new over old, 12 pairs): heads of 256 (Gemma), 1 row per
+/// group 0.845–0.854, 2 rows 0.787–0.846 (from DRAM) and 0.834 (K/V in the L3), 3 rows
+/// 0.771 and 0.776; K alone line by line 0.858, V alone 0.951 (2 rows). Not from 512
+/// bytes: f32 rows of 128 read 1.046 and 1.067 (`decode_gqa`'s and `decode_b4`'s
+/// shapes), though bf16 and f16 rows of 256 (also 512 bytes) read 0.950 and 0.946 (rows
+/// of 128, 256 bytes, 1.136 and 1.107); nor in strips of 2 keys (4–5 rows: 0.962–1.050)
+/// (kernel notes, "AVX2 decode of heads of 256 asks line by line").
+pub(in crate::kernels::cpu) const SPREAD_MIN_ROW_BYTES: usize = 1024;
+
 /// Scores of `R` row-major Q rows against `NK` keys of kind `T` per pass (`R·NK ≤ 12`
 /// accumulators). With `pf`, each pass asks for its keys' K rows `PF_KEYS` ahead into
-/// the L1, and with `v` for their V rows into the L2 ([`VRows`]).
+/// the L1, and with `v` for their V rows into the L2 ([`VRows`]), line by line as it
+/// reads where [`SPREAD_MIN_ROW_BYTES`] says so.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -555,23 +569,41 @@ unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
     v: Option<VRows>,
 ) {
     let size = if T == F32 { 4 } else { 2 };
+    // Long rows in strips of 4 keys ask line by line as the loop reads (`SPREAD_MIN_ROW_BYTES`).
+    let spread = NK == 4 && e * size >= SPREAD_MIN_ROW_BYTES;
     let mut j = 0;
     while j < nk {
         let t = (nk - j).min(NK);
-        if let Some(v) = v {
-            v.ask(j, t);
-        }
         // (At a tail, the missing keys repeat the last one and are not stored.)
         let mut kp = [0usize; NK];
         for (c, p) in kp.iter_mut().enumerate() {
             *p = (j + c.min(t - 1)) * ldk;
-            if pf && c < t {
-                prefetch_bytes(k.wrapping_add((*p + PF_KEYS * ldk) * size), e * size);
+        }
+        // With `spread`, the K rows `PF_KEYS` ahead, and the V rows where they follow each
+        // other and are as long as the K rows, are asked for line by line as the loop
+        // reads; otherwise all of them now.
+        let vline = v.and_then(|v| v.contiguous(e * size, j)).filter(|_| spread);
+        if let Some(v) = v.filter(|_| vline.is_none()) {
+            v.ask(j, t);
+        }
+        if pf && !spread {
+            for &p in &kp[..t] {
+                prefetch_bytes(k.wrapping_add((p + PF_KEYS * ldk) * size), e * size);
             }
         }
         let mut acc = [[_mm256_setzero_ps(); NK]; R];
         let mut x = 0;
         while x < e {
+            if spread && (x * size).is_multiple_of(64) {
+                for (c, &p) in kp[..t].iter().enumerate() {
+                    if pf {
+                        prefetch_bytes(k.wrapping_add((p + PF_KEYS * ldk + x) * size), 64);
+                    }
+                    if let Some(vl) = vline {
+                        prefetch_bytes_l2(vl.wrapping_add((c * e + x) * size), 64);
+                    }
+                }
+            }
             let mut kv = [_mm256_setzero_ps(); NK];
             for c in 0..NK {
                 kv[c] = load8::<T>(k, kp[c] + x);
@@ -885,7 +917,8 @@ mod tests {
     /// the head dimension in the lanes, 6–13 and 14–32 with the rows in the lanes) and
     /// says so, asks for nothing with f16 K rows, and asking changes no score: V rows that
     /// follow each other and are as long as the K rows (asked for line by line in the
-    /// loops), longer ones, rows with a gap, and half-precision V rows.
+    /// loops, also by the strips of 4 keys over rows of 1 KB, `SPREAD_MIN_ROW_BYTES`),
+    /// longer ones, rows with a gap, and half-precision V rows.
     #[test]
     fn decode_scores_ask_for_v_rows_without_changing_them() {
         if !(is_x86_feature_detected!("avx2")
@@ -902,6 +935,8 @@ mod tests {
             (64, 128, 128),
             (64, 64, 72),
             (80, 64, 64),
+            (256, 256, 256),
+            (256, 256, 264),
         ] {
             let k: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
             let kh: Vec<half::f16> = k.iter().map(|&x| half::f16::from_f32(x)).collect();
