@@ -1014,6 +1014,25 @@ mod tests {
         false
     }
 
+    /// `pv_chunks` with `pv_rows`' chunks over all `nk` keys in one pass; returns the key
+    /// step that `pv_rows` takes for the same call.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; operands as for `pv_rows`.
+    unsafe fn one_pass<const T: u8>(
+        p: (*const f32, usize),
+        (live, nk): (usize, usize),
+        v: *const u8,
+        (ldv, nvp): (usize, usize),
+        (o, ldo): (*mut f32, usize),
+        alpha: *const f32,
+    ) -> usize {
+        let cap = pv_chunk_cap::<T>(live, nvp);
+        // SAFETY: as the caller guarantees.
+        unsafe { pv_chunks::<T>(p, (live, nk), v, (ldv, nvp, 0), o, ldo, alpha, cap) };
+        pv_key_step::<T>(live, nvp, nk)
+    }
+
     /// `pv_rows` over half-precision V rows in parts of `PV_HALF_SUB_KEYS` keys gives the
     /// same bits as one pass over all keys (`pv_chunks` with the same chunks), with
     /// `α ≠ 1` (applied once), key counts around the part size, V rows of 128 and 256
@@ -1044,32 +1063,11 @@ mod tests {
                         // SAFETY: AVX-512F detected above; P, V and O as `pv_rows` requires.
                         unsafe {
                             pv_rows((&p, ldp), live, nk, d, (ldv, nvp, 0), &mut a, ldo, &alpha);
+                            let (args, ob) = ((pp, ldp), (b.as_mut_ptr(), ldo));
                             let step = if f16 {
-                                let cap = pv_chunk_cap::<F16>(live, nvp);
-                                pv_chunks::<F16>(
-                                    (pp, ldp),
-                                    (live, nk),
-                                    vp,
-                                    (ldv, nvp, 0),
-                                    b.as_mut_ptr(),
-                                    ldo,
-                                    al,
-                                    cap,
-                                );
-                                pv_key_step::<F16>(live, nvp, nk)
+                                one_pass::<F16>(args, (live, nk), vp, (ldv, nvp), ob, al)
                             } else {
-                                let cap = pv_chunk_cap::<BF16>(live, nvp);
-                                pv_chunks::<BF16>(
-                                    (pp, ldp),
-                                    (live, nk),
-                                    vp,
-                                    (ldv, nvp, 0),
-                                    b.as_mut_ptr(),
-                                    ldo,
-                                    al,
-                                    cap,
-                                );
-                                pv_key_step::<BF16>(live, nvp, nk)
+                                one_pass::<BF16>(args, (live, nk), vp, (ldv, nvp), ob, al)
                             };
                             // Parts where the chunks split the rows: 3–5 rows (4-panel
                             // chunks), 2 rows of 16 panels (8-panel chunks).
