@@ -188,6 +188,18 @@ pub(crate) fn avx512_gemm_strips() -> bool {
     decode_rows()
 }
 
+/// Whether the AVX2 decode strips that walk each f32 K row to its end
+/// (`avx2::decode::qk_rows_walk`) ask for the K rows [`PF_KEYS`] ahead: where
+/// [`decode_rows`], as the AVX-512 kernels do. On the Zen 4 VM (AVX2 forced, time with
+/// over time without, in-process probe against the earlier strips) it made no
+/// consistent difference to one row (0.799 and 0.851 with, 0.835–0.859 without) and
+/// slowed 2–4 rows (0.830–0.917 with, 0.713–0.886 without); Intel CPUs were not
+/// measured (kernel notes).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx2_walk_ahead() -> bool {
+    decode_rows()
+}
+
 /// How many keys ahead the AVX-512 decode kernels ask for K/V rows of `elem_bytes`-byte
 /// elements read in place: 0 (they do not ask) unless [`decode_rows`], else [`PF_KEYS`]
 /// for f16/bf16 rows and half as many for f32 rows, so that both ask the same number of

@@ -63,8 +63,9 @@ unsafe fn qk_dot_impl<const T: u8>(
     v: Option<VRows>,
 ) -> bool {
     // Strips of up to `MR` live rows; padding rows are skipped (decode has few live
-    // rows: one per query head of the group). The first strip asks for the K rows
-    // `PF_KEYS` ahead, which are read once, and for the V rows `v`.
+    // rows: one per query head of the group). The first strip asks for the V rows `v`,
+    // and for the K rows `PF_KEYS` ahead, which are read once (the strips that walk each
+    // f32 K row only where `prefetch::avx2_walk_ahead`).
     let mut r0 = 0;
     while r0 < live {
         // (Each strip reads every K row of the block, so the first asks for every V row.)
@@ -85,6 +86,20 @@ unsafe fn qk_dot_impl<const T: u8>(
         }
         let r = (live - r0).min(MR);
         let (qs, sp, pf) = (q.add(r0 * e), s.add(r0 * lds), r0 == 0);
+        // One to five rows of f32 keys: each K row walked to its end (`qk_rows_walk`);
+        // f16/bf16 keys, and six f32 rows of more than 256, in strips of 2–4 keys.
+        if T == F32 && r <= WALK_MAX_ROWS {
+            let pf = pf && super::super::prefetch::avx2_walk_ahead();
+            match r {
+                1 => qk_rows_walk::<T, 1, 4>(qs, e, k, ldk, nk, sp, lds, pf, va),
+                2 => qk_rows_walk::<T, 2, 2>(qs, e, k, ldk, nk, sp, lds, pf, va),
+                3 => qk_rows_walk::<T, 3, 2>(qs, e, k, ldk, nk, sp, lds, pf, va),
+                4 => qk_rows_walk::<T, 4, 2>(qs, e, k, ldk, nk, sp, lds, pf, va),
+                _ => qk_rows_walk::<T, 5, 2>(qs, e, k, ldk, nk, sp, lds, pf, va),
+            }
+            r0 += r;
+            continue;
+        }
         match r {
             1 => qk_dot_strip::<T, 1, 4>(qs, e, k, ldk, nk, sp, lds, pf, va),
             2 => qk_dot_strip::<T, 2, 4>(qs, e, k, ldk, nk, sp, lds, pf, va),
@@ -537,23 +552,75 @@ unsafe fn lanes_loop_8(
     [c0, c1, c2, c3, c4, c5, c6, c7]
 }
 
-/// Shortest K rows (bytes) whose strips of 4 keys ([`qk_dot_strip`], 1–3 rows) ask for
-/// the K rows ahead and the V rows one line at a time as the loop reads, rather than
-/// all of a pass's rows before it: at 1 KB per row that was 64 K and 64 V lines asked
-/// for at once before each pass of 4 keys. AVX2 forced on the Zen 4 VM (both threads,
-/// f32, in-process probe, time new over old, 12 pairs): heads of 256 (Gemma), 1 row per
-/// group 0.845–0.854, 2 rows 0.787–0.846 (from DRAM) and 0.834 (K/V in the L3), 3 rows
-/// 0.771 and 0.776; K alone line by line 0.858, V alone 0.951 (2 rows). Not from 512
-/// bytes: f32 rows of 128 read 1.046 and 1.067 (`decode_gqa`'s and `decode_b4`'s
-/// shapes), though bf16 and f16 rows of 256 (also 512 bytes) read 0.950 and 0.946 (rows
-/// of 128, 256 bytes, 1.136 and 1.107); nor in strips of 2 keys (4–5 rows: 0.962–1.050)
-/// (kernel notes, "AVX2 decode of heads of 256 asks line by line").
-pub(in crate::kernels::cpu) const SPREAD_MIN_ROW_BYTES: usize = 1024;
+/// Most live rows of a strip of f32 K rows that [`qk_rows_walk`] scores (from 6 rows,
+/// strips put the rows in the lanes: [`LANES_MIN_ROWS`]). AVX2 forced on the Zen 4 VM
+/// (both threads, f32, in-process probe against the strips of 2–4 interleaved keys,
+/// time new/old, 12 pairs): 1 row (`decode_b4`'s shape) 0.860 and 0.822, and 0.764 with
+/// K/V in the L3; 2 rows of 256 0.673 (of 128, in an earlier build, 0.746 and 0.803); 3
+/// rows 0.769; 4 rows (`decode_gqa`'s shape) 0.882, and 0.864 from DRAM; 5 rows 0.911;
+/// 4 rows of 64 0.996 (kernel notes, "AVX2 decode walks each f32 K row to its end").
+pub(in crate::kernels::cpu) const WALK_MAX_ROWS: usize = 5;
+
+/// Scores of `R` row-major Q rows against K rows of kind `T`, each K row walked to its
+/// end before the next, keys in order: per 8·`A` elements, `A` K loads shared by the `R`
+/// rows and `A` accumulators per row (`A` chains of FMAs, summed at the end of the row).
+/// The hardware prefetchers follow such reads from DRAM, as on AVX-512
+/// (`avx512::decode::qk_rows_strip_reg`); [`qk_dot_strip`] reads 2–4 keys' rows
+/// interleaved. With `pf`, each key asks for the K row `PF_KEYS` ahead into the L1, and
+/// with `v` each key's V row is asked for into the L2 ([`VRows`]): without `v` the walk
+/// was slower than the strips that ask (1.06–1.31 of their time at 1–5 rows).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qk_rows_walk<const T: u8, const R: usize, const A: usize>(
+    qs: *const f32,
+    e: usize,
+    k: *const u8,
+    ldk: usize,
+    nk: usize,
+    s: *mut f32,
+    lds: usize,
+    pf: bool,
+    v: Option<VRows>,
+) {
+    debug_assert!(R * A + A <= 16);
+    let size = if T == F32 { 4 } else { 2 };
+    for j in 0..nk {
+        let kr = j * ldk;
+        if pf {
+            prefetch_bytes(k.wrapping_add((kr + PF_KEYS * ldk) * size), e * size);
+        }
+        if let Some(v) = v {
+            v.ask(j, 1);
+        }
+        let mut acc = [[_mm256_setzero_ps(); A]; R];
+        let mut x = 0;
+        while x + 8 * A <= e {
+            let kv: [__m256; A] = std::array::from_fn(|i| load8::<T>(k, kr + x + 8 * i));
+            for (r, ar) in acc.iter_mut().enumerate() {
+                for (i, a) in ar.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(qs.add(r * e + x + 8 * i)), kv[i], *a);
+                }
+            }
+            x += 8 * A;
+        }
+        while x < e {
+            let kv = load8::<T>(k, kr + x);
+            for (r, ar) in acc.iter_mut().enumerate() {
+                ar[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qs.add(r * e + x)), kv, ar[0]);
+            }
+            x += 8;
+        }
+        for (r, ar) in acc.iter().enumerate() {
+            let sum = ar.iter().skip(1).fold(ar[0], |t, &a| _mm256_add_ps(t, a));
+            *s.add(r * lds + j) = hsum(sum);
+        }
+    }
+}
 
 /// Scores of `R` row-major Q rows against `NK` keys of kind `T` per pass (`R·NK ≤ 12`
 /// accumulators). With `pf`, each pass asks for its keys' K rows `PF_KEYS` ahead into
-/// the L1, and with `v` for their V rows into the L2 ([`VRows`]), line by line as it
-/// reads where [`SPREAD_MIN_ROW_BYTES`] says so.
+/// the L1, and with `v` for their V rows into the L2 ([`VRows`]).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -569,41 +636,23 @@ unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
     v: Option<VRows>,
 ) {
     let size = if T == F32 { 4 } else { 2 };
-    // Long rows in strips of 4 keys ask line by line as the loop reads (`SPREAD_MIN_ROW_BYTES`).
-    let spread = NK == 4 && e * size >= SPREAD_MIN_ROW_BYTES;
     let mut j = 0;
     while j < nk {
         let t = (nk - j).min(NK);
+        if let Some(v) = v {
+            v.ask(j, t);
+        }
         // (At a tail, the missing keys repeat the last one and are not stored.)
         let mut kp = [0usize; NK];
         for (c, p) in kp.iter_mut().enumerate() {
             *p = (j + c.min(t - 1)) * ldk;
-        }
-        // With `spread`, the K rows `PF_KEYS` ahead, and the V rows where they follow each
-        // other and are as long as the K rows, are asked for line by line as the loop
-        // reads; otherwise all of them now.
-        let vline = v.and_then(|v| v.contiguous(e * size, j)).filter(|_| spread);
-        if let Some(v) = v.filter(|_| vline.is_none()) {
-            v.ask(j, t);
-        }
-        if pf && !spread {
-            for &p in &kp[..t] {
-                prefetch_bytes(k.wrapping_add((p + PF_KEYS * ldk) * size), e * size);
+            if pf && c < t {
+                prefetch_bytes(k.wrapping_add((*p + PF_KEYS * ldk) * size), e * size);
             }
         }
         let mut acc = [[_mm256_setzero_ps(); NK]; R];
         let mut x = 0;
         while x < e {
-            if spread && (x * size).is_multiple_of(64) {
-                for (c, &p) in kp[..t].iter().enumerate() {
-                    if pf {
-                        prefetch_bytes(k.wrapping_add((p + PF_KEYS * ldk + x) * size), 64);
-                    }
-                    if let Some(vl) = vline {
-                        prefetch_bytes_l2(vl.wrapping_add((c * e + x) * size), 64);
-                    }
-                }
-            }
             let mut kv = [_mm256_setzero_ps(); NK];
             for c in 0..NK {
                 kv[c] = load8::<T>(k, kp[c] + x);
@@ -913,12 +962,11 @@ unsafe fn pv_tile<const R: usize, const C: usize>(
 mod tests {
     use super::*;
 
-    /// `qk_dot` asks for the V rows with f32 K rows (every kind of strip: 1–5 rows with
-    /// the head dimension in the lanes, 6–13 and 14–32 with the rows in the lanes) and
+    /// `qk_dot` asks for the V rows with f32 K rows (every kind of strip: 1–5 rows walking
+    /// each K row, 6–13 and 14–32 with the rows in the lanes, heads of 64 to 256) and
     /// says so, asks for nothing with f16 K rows, and asking changes no score: V rows that
     /// follow each other and are as long as the K rows (asked for line by line in the
-    /// loops, also by the strips of 4 keys over rows of 1 KB, `SPREAD_MIN_ROW_BYTES`),
-    /// longer ones, rows with a gap, and half-precision V rows.
+    /// loops), longer ones, rows with a gap, and half-precision V rows.
     #[test]
     fn decode_scores_ask_for_v_rows_without_changing_them() {
         if !(is_x86_feature_detected!("avx2")
