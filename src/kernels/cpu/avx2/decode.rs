@@ -86,9 +86,11 @@ unsafe fn qk_dot_impl<const T: u8>(
         }
         let r = (live - r0).min(MR);
         let (qs, sp, pf) = (q.add(r0 * e), s.add(r0 * lds), r0 == 0);
-        // One to five rows of f32 keys: each K row walked to its end (`qk_rows_walk`);
-        // f16/bf16 keys, and six f32 rows of more than 256, in strips of 2–4 keys.
-        if T == F32 && r <= WALK_MAX_ROWS {
+        // One to five rows of f32 keys whose Q fits `WALK_MAX_Q_BYTES`: each K row walked
+        // to its end (`qk_rows_walk`); f16/bf16 keys, longer Q rows (projections that
+        // read their weights in place, `linear`) and six f32 rows of more than 256, in
+        // strips of 2–4 keys.
+        if T == F32 && r <= WALK_MAX_ROWS && r * e * 4 <= WALK_MAX_Q_BYTES {
             let pf = pf && super::super::prefetch::avx2_walk_ahead();
             match r {
                 1 => qk_rows_walk::<T, 1, 4>(qs, e, k, ldk, nk, sp, lds, pf, va),
@@ -561,6 +563,17 @@ unsafe fn lanes_loop_8(
 /// 4 rows of 64 0.996 (kernel notes, "AVX2 decode walks each f32 K row to its end").
 pub(in crate::kernels::cpu) const WALK_MAX_ROWS: usize = 5;
 
+/// Most bytes of Q rows that [`qk_rows_walk`] takes: it reads every Q element once per
+/// key, so they must stay in the L1, where the strips read each once per 2–4 keys. This
+/// matters for the projections of a decode step that read their weights in place
+/// (`linear`, whose "keys" are weight rows and whose Q rows are as long as the
+/// layer's input). AVX2 forced on the Zen 4 VM (`Proj::forward` against 8 weights in
+/// turn with `CANDLE_ATTENTION_PACK_CACHE_MB=0`, walk over strips, 12 pairs): 16 KiB of
+/// Q and less, 1 row of 4096 inputs 0.950, 2 rows of 2048 0.969, 4 rows of 1024 0.877, 2
+/// rows of 1024 0.700, 1 row of 768 0.603; more, 2 rows of 4096 1.276, 4 rows 1.228, 5
+/// rows 1.377, 1 row of 14336 1.101.
+pub(in crate::kernels::cpu) const WALK_MAX_Q_BYTES: usize = 16 * 1024;
+
 /// Scores of `R` row-major Q rows against K rows of kind `T`, each K row walked to its
 /// end before the next, keys in order: per 8·`A` elements, `A` K loads shared by the `R`
 /// rows and `A` accumulators per row (`A` chains of FMAs, summed at the end of the row).
@@ -568,7 +581,7 @@ pub(in crate::kernels::cpu) const WALK_MAX_ROWS: usize = 5;
 /// (`avx512::decode::qk_rows_strip_reg`); [`qk_dot_strip`] reads 2–4 keys' rows
 /// interleaved. With `pf`, each key asks for the K row `PF_KEYS` ahead into the L1, and
 /// with `v` each key's V row is asked for into the L2 ([`VRows`]): without `v` the walk
-/// was slower than the strips that ask (1.06–1.31 of their time at 1–5 rows).
+/// took 0.975 of the asking strips' time at one row, but 1.060–1.313 at 2–5 rows.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
