@@ -59,12 +59,7 @@ impl VRows {
     /// If `v` is too short for them (only asked for, never read: a prefetch cannot fault,
     /// but `P·V` reads the rows anyway).
     pub(crate) fn new(v: super::view::Data, ldv: usize, ev: usize, nk: usize) -> Self {
-        let size = v.elem_bytes();
-        let (base, len) = match v {
-            super::view::Data::F32(x) => (x.as_ptr() as *const u8, x.len()),
-            super::view::Data::BF16(x) => (x.as_ptr() as *const u8, x.len()),
-            super::view::Data::F16(x) => (x.as_ptr() as *const u8, x.len()),
-        };
+        let (size, (base, len)) = (v.elem_bytes(), v.raw_parts());
         assert!(nk == 0 || len >= (nk - 1) * ldv + ev, "V rows past the slice");
         VRows {
             base,

@@ -21,6 +21,16 @@ impl Data<'_> {
             Data::F16(_) | Data::BF16(_) => 2,
         }
     }
+
+    /// The first element's address and the element count.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the x86-64 kernels only
+    pub fn raw_parts(&self) -> (*const u8, usize) {
+        match self {
+            Data::F32(v) => (v.as_ptr() as *const u8, v.len()),
+            Data::F16(v) => (v.as_ptr() as *const u8, v.len()),
+            Data::BF16(v) => (v.as_ptr() as *const u8, v.len()),
+        }
+    }
 }
 
 /// A rank-4 strided view (strides in elements; broadcast dims may have stride 0).

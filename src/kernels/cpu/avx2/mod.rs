@@ -62,11 +62,13 @@ unsafe fn load8<const T: u8>(p: *const u8, idx: usize) -> __m256 {
 
 /// The rows of `d` as `(pointer, element count, kind)`.
 fn rows_of(d: Data) -> (*const u8, usize, u8) {
-    match d {
-        Data::F32(v) => (v.as_ptr() as *const u8, v.len(), F32),
-        Data::BF16(v) => (v.as_ptr() as *const u8, v.len(), BF16),
-        Data::F16(v) => (v.as_ptr() as *const u8, v.len(), F16),
-    }
+    let (p, n) = d.raw_parts();
+    let kind = match d {
+        Data::F32(_) => F32,
+        Data::BF16(_) => BF16,
+        Data::F16(_) => F16,
+    };
+    (p, n, kind)
 }
 
 /// Horizontal sum of `x`.

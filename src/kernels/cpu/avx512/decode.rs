@@ -119,7 +119,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot_raw(
     let (qp, live, sp) = (q.as_ptr(), live.min(rows), s.as_mut_ptr());
     // (Only f32 K rows ask for V rows, and only for rows of `V_ASK_MIN_EV_LANES` or more.)
     let v = v
-        .filter(|&(_, _, ev)| ev >= V_ASK_MIN_EV_LANES)
+        .filter(|&(_, _, ev)| matches!(k, Data::F32(_)) && ev >= V_ASK_MIN_EV_LANES)
         .map(|(vs, ldv, ev)| VRows::new(vs, ldv, ev, nk));
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {

@@ -91,11 +91,7 @@ unsafe fn load32_bf16_split(p: *const u16) -> (__m512, __m512) {
 
 /// Base pointer and element count of a source slice.
 fn data_ptr(d: Data) -> (*const u8, usize) {
-    match d {
-        Data::F32(v) => (v.as_ptr() as *const u8, v.len()),
-        Data::BF16(v) => (v.as_ptr() as *const u8, v.len()),
-        Data::F16(v) => (v.as_ptr() as *const u8, v.len()),
-    }
+    d.raw_parts()
 }
 
 /// Lane mask of the first `n` (< 16) lanes.
