@@ -67,7 +67,7 @@
 //!   (`avx2::qk_dot`), and a `P·V` that walks each V row to its end, four keys at a
 //!   time (`avx2::pv_rows`), where the panel kernel reads 16 columns of every row per
 //!   pass. With f32 rows, the first score strip of a block also asks for the block's V
-//!   rows into the L2 as it goes (`avx2::VRows`), which on the Zen 4 VM with AVX2 forced
+//!   rows into the L2 as it goes (`prefetch::AskRows`), which on the Zen 4 VM with AVX2 forced
 //!   made decode of 1–12 rows 13–35% faster; groups of 14 rows or more score in strips
 //!   of 16 rows and run `P·V` in register tiles over the rows in the L2
 //!   (`avx2::pv_rows_tiles`). The portable and NEON kernels also score the live rows only

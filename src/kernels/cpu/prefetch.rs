@@ -30,9 +30,11 @@ pub(crate) fn prefetch_bytes_l2(p: *const u8, bytes: usize) {
     prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(p, bytes)
 }
 
-/// A decode block's V rows, for a score strip to ask for into the L2 while it runs
-/// (`avx2::qk_dot`, `avx512::qk_dot_raw`): row 0, the row stride and the row length, in
-/// bytes.
+/// Rows of a decode block for a kernel to ask for into the L2 while it runs: row 0, the
+/// row stride and the row length, in bytes, and the row count. A score strip asks for
+/// the block's V rows (`avx2::qk_dot`, `avx512::qk_dot_raw`), and where it did so on
+/// AVX-512, `P·V` asks for the next block's K rows (`avx512::pv_rows`, see
+/// `avx512::decode::pv_rows_impl`).
 ///
 /// The decode score strips read 2–8 keys' K rows at a time, a few bytes of each in turn,
 /// and `P·V` reads four V rows at a time, which the hardware prefetchers follow poorly
@@ -45,26 +47,28 @@ pub(crate) fn prefetch_bytes_l2(p: *const u8, bytes: usize) {
 /// read K rows interleaved or V rows are long (`avx512::decode::V_ASK_MIN_EV_LANES`).
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-pub(crate) struct VRows {
+pub(crate) struct AskRows {
     base: *const u8,
     stride: usize,
     len: usize,
+    rows: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
-impl VRows {
+impl AskRows {
     /// The `nk` rows of `ev` elements, `ldv` elements apart, at the start of `v`.
     ///
     /// # Panics
-    /// If `v` is too short for them (only asked for, never read: a prefetch cannot fault,
-    /// but `P·V` reads the rows anyway).
+    /// If `v` is too short for them (a prefetch cannot fault, but the kernels read the
+    /// rows anyway).
     pub(crate) fn new(v: super::view::Data, ldv: usize, ev: usize, nk: usize) -> Self {
         let (size, (base, len)) = (v.elem_bytes(), v.raw_parts());
         assert!(nk == 0 || len >= (nk - 1) * ldv + ev, "V rows past the slice");
-        VRows {
+        AskRows {
             base,
             stride: ldv * size,
             len: ev * size,
+            rows: nk,
         }
     }
 
@@ -75,6 +79,13 @@ impl VRows {
         for j in j0..j0 + n {
             prefetch_bytes_l2(self.base.wrapping_add(j * self.stride), self.len);
         }
+    }
+
+    /// The rows' first byte and their bytes in all, where they follow each other (`None`
+    /// where they do not), for a loop to ask for them line by line.
+    #[inline]
+    pub(crate) fn span(&self) -> Option<(*const u8, usize)> {
+        (self.stride == self.len).then_some((self.base, self.rows * self.len))
     }
 
     /// The length of a row, in bytes.

@@ -9,7 +9,7 @@ use super::*;
 /// precision is read in place and widened in registers).
 ///
 /// `v`: the block's V rows (`(rows, row stride, row length)`, one per key), for the
-/// first strip to ask for into the L2 while it scores f32 K rows ([`VRows`]). Returns
+/// first strip to ask for into the L2 while it scores f32 K rows ([`AskRows`]). Returns
 /// whether it did, that is whether [`pv_rows`] will find them there (its `v_in_l2`).
 /// With f16/bf16 K rows nothing is asked for: there it made decode no faster (f16) or
 /// slower (bf16; kernel notes).
@@ -37,7 +37,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot(
     assert!(rows == 0 || s.len() >= (rows - 1) * lds + nk);
     // (Only asked for, never read: a prefetch cannot fault, but the rows must be there
     // for `pv_rows` anyway.)
-    let v = v.map(|(vs, ldv, ev)| VRows::new(vs, ldv, ev, nk));
+    let v = v.map(|(vs, ldv, ev)| AskRows::new(vs, ldv, ev, nk));
     let (q, s) = (q.as_ptr(), s.as_mut_ptr());
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
@@ -60,7 +60,7 @@ unsafe fn qk_dot_impl<const T: u8>(
     nk: usize,
     s: *mut f32,
     lds: usize,
-    v: Option<VRows>,
+    v: Option<AskRows>,
 ) -> bool {
     // Strips of up to `MR` live rows; padding rows are skipped (decode has few live
     // rows: one per query head of the group). The first strip asks for the V rows `v`,
@@ -157,7 +157,7 @@ pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
 /// ([`lanes_head_size`]); K rows `0..nk` at `k + j·ldk` hold `e` elements; `s` holds
 /// `nr` rows of stride `lds ≥ nk`.
 ///
-/// With `v`, each tile also asks for its 8 keys' V rows into the L2 ([`VRows`]): two
+/// With `v`, each tile also asks for its 8 keys' V rows into the L2 ([`AskRows`]): two
 /// lines per loop where they follow each other and are as long as the K rows, else all
 /// of them before the tile.
 // (Out of line: its 17 KB of stack would otherwise be probed page by page at every
@@ -171,7 +171,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_lanes(
     (k, ldk, nk): (*const f32, usize, usize),
     s: *mut f32,
     lds: usize,
-    v: Option<VRows>,
+    v: Option<AskRows>,
 ) {
     debug_assert!(nr <= 8 && lanes_head_size(e));
     // Q rows padded to 8 with zeros, then transposed: `qt[x·8 + r]`, written whole for
@@ -314,7 +314,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_lanes16(
     (k, ldk, nk): (*const f32, usize, usize),
     s: *mut f32,
     lds: usize,
-    v: Option<VRows>,
+    v: Option<AskRows>,
 ) {
     debug_assert!(nr <= 16 && lanes_head_size(e));
     // `qt[x·16 + r]`, written whole for `x < e` by the transposes: a group of 8 whole
@@ -580,7 +580,7 @@ pub(in crate::kernels::cpu) const WALK_MAX_Q_BYTES: usize = 16 * 1024;
 /// The hardware prefetchers follow such reads from DRAM, as on AVX-512
 /// (`avx512::decode::qk_rows_strip_reg`); [`qk_dot_strip`] reads 2–4 keys' rows
 /// interleaved. With `pf`, each key asks for the K row `PF_KEYS` ahead into the L1, and
-/// with `v` each key's V row is asked for into the L2 ([`VRows`]): without `v` the walk
+/// with `v` each key's V row is asked for into the L2 ([`AskRows`]): without `v` the walk
 /// took 0.975 of the asking strips' time at one row, but 1.060–1.313 at 2–5 rows.
 #[allow(clippy::too_many_arguments)]
 #[inline]
@@ -594,7 +594,7 @@ unsafe fn qk_rows_walk<const T: u8, const R: usize, const A: usize>(
     s: *mut f32,
     lds: usize,
     pf: bool,
-    v: Option<VRows>,
+    v: Option<AskRows>,
 ) {
     debug_assert!(R * A + A <= 16);
     let size = if T == F32 { 4 } else { 2 };
@@ -633,7 +633,7 @@ unsafe fn qk_rows_walk<const T: u8, const R: usize, const A: usize>(
 
 /// Scores of `R` row-major Q rows against `NK` keys of kind `T` per pass (`R·NK ≤ 12`
 /// accumulators). With `pf`, each pass asks for its keys' K rows `PF_KEYS` ahead into
-/// the L1, and with `v` for their V rows into the L2 ([`VRows`]).
+/// the L1, and with `v` for their V rows into the L2 ([`AskRows`]).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -646,7 +646,7 @@ unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
     s: *mut f32,
     lds: usize,
     pf: bool,
-    v: Option<VRows>,
+    v: Option<AskRows>,
 ) {
     let size = if T == F32 { 4 } else { 2 };
     let mut j = 0;

@@ -90,7 +90,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot(
 /// ahead of reading it (a hint: results do not depend on it).
 ///
 /// `v`: the block's V rows (`(rows, row stride, row length)`, one per key), for the
-/// first strip to ask for into the L2 while it scores f32 K rows ([`VRows`]): a strip
+/// first strip to ask for into the L2 while it scores f32 K rows ([`AskRows`]): a strip
 /// with the rows in the lanes where the V rows hold [`V_ASK_MIN_EV_LANES`] elements or
 /// more, a register strip (E = 64, 128 or 256) where they hold [`V_ASK_MIN_EV_STRIPS`]
 /// or more. Returns whether it did. With f16/bf16 K rows nothing is asked for (on the
@@ -120,7 +120,7 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot_raw(
     // (Only f32 K rows ask for V rows, and only for rows of `V_ASK_MIN_EV_LANES` or more.)
     let v = v
         .filter(|&(_, _, ev)| matches!(k, Data::F32(_)) && ev >= V_ASK_MIN_EV_LANES)
-        .map(|(vs, ldv, ev)| VRows::new(vs, ldv, ev, nk));
+        .map(|(vs, ldv, ev)| AskRows::new(vs, ldv, ev, nk));
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match k {
@@ -213,7 +213,7 @@ unsafe fn qk_dot_impl<const T: u8>(
     (k, ldk, nk, ahead): (*const u8, usize, usize, Ahead),
     s: *mut f32,
     lds: usize,
-    v: Option<VRows>,
+    v: Option<AskRows>,
 ) -> bool {
     let mut asked = false;
     let mut r0 = 0;
@@ -368,7 +368,7 @@ pub(in crate::kernels::cpu) fn lanes_head_size(e: usize) -> bool {
 /// rows of 128 against 256 keys in L2: 100–104 GFLOP/s against 84–86 for two strips of
 /// 8 rows, with a one-core peak of about 117.
 ///
-/// With `v`, each tile also asks for its 16 keys' V rows into the L2 ([`VRows`]): four
+/// With `v`, each tile also asks for its 16 keys' V rows into the L2 ([`AskRows`]): four
 /// lines per loop where they follow each other and are as long as the K rows, else all
 /// of them before the tile.
 ///
@@ -387,7 +387,7 @@ unsafe fn qk_lanes(
     (k, ldk, nk): (*const f32, usize, usize),
     s: *mut f32,
     lds: usize,
-    v: Option<VRows>,
+    v: Option<AskRows>,
 ) {
     debug_assert!(nr <= 16 && lanes_head_size(e));
     // Q rows padded to 16 with zeros, then transposed: `qt[x·16 + r]`, written whole for
@@ -604,7 +604,7 @@ type DotArgs = (
     *mut f32,
     usize,
     Ahead,
-    Option<VRows>,
+    Option<AskRows>,
 );
 
 /// [`qk_dot_impl`] for `R` rows of `e = 16·EQ` elements, the first `QR` of them held in
@@ -857,6 +857,23 @@ const PV_HALF_SUB_KEYS: usize = 32;
 /// come out in the split layout of [`split_pairs`]: the caller applies
 /// [`merge_pairs`] once all keys are in.
 ///
+/// `next_k`: the next block's K rows, for the tiles to ask for into the L2 as they run,
+/// where the rows follow each other (a hint: results do not depend on it). The decode
+/// driver passes them where the block's scores asked for its V rows ([`qk_dot_raw`]
+/// returned `true`): then the scores stream this block's V rows and `P·V` the next
+/// block's K rows, where before the scores streamed both and `P·V` nothing, with the
+/// memory idle while its FMAs ran. The lines are shared out evenly among the tiles, at
+/// most two per key of each (eight per pass of the assembly loop,
+/// `rows_loop_6x4_in_rows_ask`). On the Zen 4 VM (both threads, f32 `B,Hq,8,L,4096,128`
+/// with B = 4, K/V of 134 MB from DRAM, in-process probe, time asking over time not,
+/// 8 pairs, outputs the same bits): 7 rows per group 0.939, 8 rows 0.914, 9 rows
+/// 0.899, 10 rows 0.889, 11 rows 0.982, 12 rows 0.849, 16 rows 0.850–0.865, 32 rows
+/// 0.913, 48 rows 0.931; Gemma's rows of 256 (`4,16,8,2,4096,256`) 0.870 and 1 row
+/// 0.979. With K/V in the L3 (16 rows over 2048 keys) 1.010–1.021. Where the scores do
+/// not ask for V (rows of 64 or 96, 1–6 rows of 128, half precision) `P·V` does not
+/// ask either; tried there, it made no difference or slowed (f16 `decode_b4` 1.128;
+/// kernel notes, "`P·V` asks for the next block's K rows").
+///
 /// # Safety
 /// AVX-512F must be available.
 #[allow(clippy::too_many_arguments)]
@@ -869,6 +886,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     o: &mut [f32],
     ldo: usize,
     alpha: &[f32],
+    next_k: Option<AskRows>,
 ) {
     let (ptr, len) = data_ptr(v);
     assert!(ldp >= nk && ldo >= nvp * NR && alpha.len() >= live);
@@ -879,9 +897,15 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     // SAFETY: bounds asserted above; features guaranteed by the caller.
     unsafe {
         match v {
-            Data::F32(_) => pv_rows_impl::<F32>((pp, ldp), (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
-            Data::BF16(_) => pv_rows_impl::<BF16>((pp, ldp), (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
-            Data::F16(_) => pv_rows_impl::<F16>((pp, ldp), (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al),
+            Data::F32(_) => {
+                pv_rows_impl::<F32>((pp, ldp), (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al, next_k)
+            }
+            Data::BF16(_) => {
+                pv_rows_impl::<BF16>((pp, ldp), (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al, next_k)
+            }
+            Data::F16(_) => {
+                pv_rows_impl::<F16>((pp, ldp), (live, nk), ptr, (ldv, nvp, ahead), op, ldo, al, next_k)
+            }
         }
     }
 }
@@ -896,8 +920,13 @@ unsafe fn pv_rows_impl<const T: u8>(
     o: *mut f32,
     ldo: usize,
     alpha: *const f32,
+    next_k: Option<AskRows>,
 ) {
     let cap = pv_chunk_cap::<T>(live, nvp);
+    // The next block's K rows, asked for line by line where they follow each other.
+    let mut ask = next_k
+        .and_then(|k| k.span())
+        .map_or((std::ptr::null(), 0), |(at, bytes)| (at, bytes.div_ceil(64)));
     // The keys in parts of `step`, all chunks of each part in turn (see
     // `PV_HALF_SUB_KEYS`); each output is the same chain of FMAs as in one pass, the later
     // parts starting from the stored outputs times 1.
@@ -912,7 +941,16 @@ unsafe fn pv_rows_impl<const T: u8>(
         let cnt = (nk - j0).min(step);
         let al = if j0 == 0 { alpha } else { ones.as_ptr() };
         let (pj, vj) = (p.add(j0), v.add(j0 * ldv * size));
-        pv_chunks::<T>((pj, ldp), (live, cnt), vj, (ldv, nvp, ahead), o, ldo, al, cap);
+        pv_chunks::<T>(
+            (pj, ldp),
+            (live, cnt),
+            vj,
+            (ldv, nvp, ahead),
+            o,
+            ldo,
+            al,
+            (cap, &mut ask),
+        );
         j0 += cnt;
         if j0 >= nk {
             break;
@@ -920,8 +958,41 @@ unsafe fn pv_rows_impl<const T: u8>(
     }
 }
 
-/// [`pv_rows_impl`] for keys `0..nk`: chunks of up to `cap` panels in turn, each over
-/// tiles of the live rows.
+/// The tiles of [`pv_chunks`] in order, `(first panel, panels, first row, rows)`:
+/// chunks of up to `cap` panels (16, 8, 4, 2 or 1 at a time), each over the `live` rows
+/// in tiles of 1 row (16 panels), up to 2 (8), up to 6 (4), else 6, 3, 2 or 1.
+fn pv_tiles(live: usize, nvp: usize, cap: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    let mut n0 = 0;
+    std::iter::from_fn(move || {
+        (n0 < nvp).then(|| {
+            let n = [16, 8, 4, 2, 1]
+                .into_iter()
+                .find(|&c| c <= (nvp - n0).min(cap))
+                .unwrap_or(1);
+            let mut r0 = 0;
+            let chunk = n0;
+            n0 += n;
+            std::iter::from_fn(move || {
+                (r0 < live).then(|| {
+                    let rem = live - r0;
+                    let r = match n {
+                        16 => 1,
+                        8 => rem.min(2),
+                        4 => rem.min(6),
+                        _ => [6, 3, 2, 1].into_iter().find(|&x| x <= rem).unwrap_or(1),
+                    };
+                    r0 += r;
+                    (chunk, n, r0 - r, r)
+                })
+            })
+        })
+    })
+    .flatten()
+}
+
+/// [`pv_rows_impl`] for keys `0..nk`: the tiles of [`pv_tiles`] in turn. `ask` (first
+/// line, lines left): lines to ask for into the L2, shared out evenly among the tiles,
+/// at most two per key of each ([`PvSrc::ask`]); on return, the lines not asked for.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -933,54 +1004,46 @@ unsafe fn pv_chunks<const T: u8>(
     o: *mut f32,
     ldo: usize,
     alpha: *const f32,
-    cap: usize,
+    (cap, ask): (usize, &mut (*const u8, usize)),
 ) {
-    let mut n0 = 0;
-    while n0 < nvp {
-        let n = [16, 8, 4, 2, 1]
-            .into_iter()
-            .find(|&c| c <= (nvp - n0).min(cap))
-            .unwrap_or(1);
-        let mut r0 = 0;
-        while r0 < live {
-            let rem = live - r0;
-            let r = match n {
-                16 => 1,
-                8 => rem.min(2),
-                4 => rem.min(6),
-                _ => [6, 3, 2, 1].into_iter().find(|&x| x <= rem).unwrap_or(1),
-            };
-            let src = PvSrc {
-                p: p.add(r0 * ldp),
-                ldp,
-                segs: [(v, nk), (std::ptr::null(), 0)],
-                vps: NR,
-                ldv,
-                ahead,
-            };
-            let (v0, op, al) = (n0 * NR, o.add(r0 * ldo + n0 * NR), alpha.add(r0));
-            match (n, r) {
-                (16, _) => pv_tile::<1, 16, T, 1>(src, v0, op, ldo, al),
-                (8, 1) => pv_tile::<1, 8, T, 1>(src, v0, op, ldo, al),
-                (8, _) => pv_tile::<2, 8, T, 1>(src, v0, op, ldo, al),
-                (4, 1) => pv_tile::<1, 4, T, 1>(src, v0, op, ldo, al),
-                (4, 2) => pv_tile::<2, 4, T, 1>(src, v0, op, ldo, al),
-                (4, 3) => pv_tile::<3, 4, T, 1>(src, v0, op, ldo, al),
-                (4, 4) => pv_tile::<4, 4, T, 1>(src, v0, op, ldo, al),
-                (4, 5) => pv_tile::<5, 4, T, 1>(src, v0, op, ldo, al),
-                (4, _) => pv_tile::<6, 4, T, 1>(src, v0, op, ldo, al),
-                (2, 1) => pv_tile::<1, 2, T, 1>(src, v0, op, ldo, al),
-                (2, 2) => pv_tile::<2, 2, T, 1>(src, v0, op, ldo, al),
-                (2, 3) => pv_tile::<3, 2, T, 1>(src, v0, op, ldo, al),
-                (2, _) => pv_tile::<6, 2, T, 1>(src, v0, op, ldo, al),
-                (_, 1) => pv_tile::<1, 1, T, 1>(src, v0, op, ldo, al),
-                (_, 2) => pv_tile::<2, 1, T, 1>(src, v0, op, ldo, al),
-                (_, 3) => pv_tile::<3, 1, T, 1>(src, v0, op, ldo, al),
-                (_, _) => pv_tile::<6, 1, T, 1>(src, v0, op, ldo, al),
-            }
-            r0 += r;
+    let share = if ask.1 > 0 {
+        ask.1.div_ceil(pv_tiles(live, nvp, cap).count().max(1))
+    } else {
+        0
+    };
+    for (n0, n, r0, r) in pv_tiles(live, nvp, cap) {
+        let lines = share.min(ask.1).min(2 * nk);
+        let mine = (ask.0, lines);
+        *ask = (ask.0.wrapping_add(64 * lines), ask.1 - lines);
+        let src = PvSrc {
+            p: p.add(r0 * ldp),
+            ldp,
+            segs: [(v, nk), (std::ptr::null(), 0)],
+            vps: NR,
+            ldv,
+            ahead,
+            ask: mine,
+        };
+        let (v0, op, al) = (n0 * NR, o.add(r0 * ldo + n0 * NR), alpha.add(r0));
+        match (n, r) {
+            (16, _) => pv_tile::<1, 16, T, 1>(src, v0, op, ldo, al),
+            (8, 1) => pv_tile::<1, 8, T, 1>(src, v0, op, ldo, al),
+            (8, _) => pv_tile::<2, 8, T, 1>(src, v0, op, ldo, al),
+            (4, 1) => pv_tile::<1, 4, T, 1>(src, v0, op, ldo, al),
+            (4, 2) => pv_tile::<2, 4, T, 1>(src, v0, op, ldo, al),
+            (4, 3) => pv_tile::<3, 4, T, 1>(src, v0, op, ldo, al),
+            (4, 4) => pv_tile::<4, 4, T, 1>(src, v0, op, ldo, al),
+            (4, 5) => pv_tile::<5, 4, T, 1>(src, v0, op, ldo, al),
+            (4, _) => pv_tile::<6, 4, T, 1>(src, v0, op, ldo, al),
+            (2, 1) => pv_tile::<1, 2, T, 1>(src, v0, op, ldo, al),
+            (2, 2) => pv_tile::<2, 2, T, 1>(src, v0, op, ldo, al),
+            (2, 3) => pv_tile::<3, 2, T, 1>(src, v0, op, ldo, al),
+            (2, _) => pv_tile::<6, 2, T, 1>(src, v0, op, ldo, al),
+            (_, 1) => pv_tile::<1, 1, T, 1>(src, v0, op, ldo, al),
+            (_, 2) => pv_tile::<2, 1, T, 1>(src, v0, op, ldo, al),
+            (_, 3) => pv_tile::<3, 1, T, 1>(src, v0, op, ldo, al),
+            (_, _) => pv_tile::<6, 1, T, 1>(src, v0, op, ldo, al),
         }
-        n0 += n;
     }
 }
 
@@ -1029,7 +1092,18 @@ mod tests {
     ) -> usize {
         let cap = pv_chunk_cap::<T>(live, nvp);
         // SAFETY: as the caller guarantees.
-        unsafe { pv_chunks::<T>(p, (live, nk), v, (ldv, nvp, 0), o, ldo, alpha, cap) };
+        unsafe {
+            pv_chunks::<T>(
+                p,
+                (live, nk),
+                v,
+                (ldv, nvp, 0),
+                o,
+                ldo,
+                alpha,
+                (cap, &mut (std::ptr::null(), 0)),
+            )
+        };
         pv_key_step::<T>(live, nvp, nk)
     }
 
@@ -1062,7 +1136,7 @@ mod tests {
                         let (pp, vp, al) = (p.as_ptr(), data_ptr(d).0, alpha.as_ptr());
                         // SAFETY: AVX-512F detected above; P, V and O as `pv_rows` requires.
                         unsafe {
-                            pv_rows((&p, ldp), live, nk, d, (ldv, nvp, 0), &mut a, ldo, &alpha);
+                            pv_rows((&p, ldp), live, nk, d, (ldv, nvp, 0), &mut a, ldo, &alpha, None);
                             let (args, ob) = ((pp, ldp), (b.as_mut_ptr(), ldo));
                             let step = if f16 {
                                 one_pass::<F16>(args, (live, nk), vp, (ldv, nvp), ob, al)
@@ -1105,6 +1179,103 @@ mod tests {
             }
         }
         assert!(parts_seen > 0);
+    }
+
+    /// `pv_rows` gives the same bits whether or not it asks for the next block's K rows
+    /// (`next_k`): f32 V rows read in place with 1–24 live rows (the 6-row assembly tiles,
+    /// which then run their first keys in the loop that asks and the rest in the one that
+    /// does not, and the intrinsics tiles), 4, 8 and 16 panels, key counts on both sides
+    /// of the four-key passes, and next blocks of fewer lines than the tiles could ask
+    /// for and of more (K rows that follow each other, and with a gap, which asks
+    /// nothing). `pv_chunks` then leaves no line of a next block unasked where its tiles
+    /// could ask for all (two per key), and otherwise all but the excess, the address
+    /// moved past the lines asked for.
+    #[test]
+    fn p_v_asks_for_the_next_k_rows_without_changing_the_output() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("note: no AVX-512F on this machine; decode values not exercised");
+            return;
+        }
+        let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        let mut split_seen = false;
+        for nvp in [4usize, 8, 16] {
+            let ldv = nvp * NR;
+            for nk in [1usize, 3, 4, 5, 9, 33, 64, 130] {
+                let v: Vec<f32> = (0..nk * ldv).map(|i| val(i, 5)).collect();
+                for live in [1usize, 2, 3, 5, 6, 7, 8, 11, 12, 13, 16, 24] {
+                    let (ldp, ldo) = (nk + 3, ldv + 16);
+                    let p: Vec<f32> = (0..live * ldp).map(|i| val(i, 7).abs()).collect();
+                    let alpha: Vec<f32> = (0..live).map(|r| if r % 2 == 1 { 0.75 } else { 1.0 }).collect();
+                    let o0: Vec<f32> = (0..live * ldo).map(|i| val(i, 13)).collect();
+                    let cap = pv_chunk_cap::<F32>(live, nvp);
+                    let tiles = pv_tiles(live, nvp, cap).count();
+                    // Next blocks of a quarter of what the tiles can ask for, and of twice.
+                    for (e, nk1, gap) in [
+                        (128usize, (nk * tiles / 8).max(1), 0usize),
+                        (128, nk * tiles, 0),
+                        (64, 7, 16),
+                    ] {
+                        let ldk = e + gap;
+                        let k: Vec<f32> = vec![0.5; nk1 * ldk];
+                        let next = AskRows::new(Data::F32(&k), ldk, e, nk1);
+                        let (mut a, mut b) = (o0.clone(), o0.clone());
+                        let d = Data::F32(&v);
+                        // SAFETY: AVX-512F detected above; P, V and O as `pv_rows` requires.
+                        unsafe {
+                            pv_rows((&p, ldp), live, nk, d, (ldv, nvp, 0), &mut a, ldo, &alpha, None);
+                            pv_rows(
+                                (&p, ldp),
+                                live,
+                                nk,
+                                d,
+                                (ldv, nvp, 0),
+                                &mut b,
+                                ldo,
+                                &alpha,
+                                Some(next),
+                            );
+                        }
+                        let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(
+                            same,
+                            "nvp {nvp}, nk {nk}, live {live}, next {nk1} rows of {e}: outputs changed"
+                        );
+                        // The lines that one pass of the tiles leaves unasked.
+                        let mut ask = match next.span() {
+                            Some((at, bytes)) => (at, bytes / 64),
+                            None => (std::ptr::null(), 0),
+                        };
+                        let (start, lines) = ask;
+                        assert_eq!(lines > 0, gap == 0);
+                        let mut c = o0.clone();
+                        // SAFETY: as above.
+                        unsafe {
+                            pv_chunks::<F32>(
+                                (p.as_ptr(), ldp),
+                                (live, nk),
+                                data_ptr(d).0,
+                                (ldv, nvp, 0),
+                                c.as_mut_ptr(),
+                                ldo,
+                                alpha.as_ptr(),
+                                (cap, &mut ask),
+                            )
+                        };
+                        let room = 2 * nk * tiles;
+                        let left = if lines.div_ceil(tiles) <= 2 * nk {
+                            0
+                        } else {
+                            lines - room.min(lines)
+                        };
+                        assert_eq!(ask.1, left, "nvp {nvp}, nk {nk}, live {live}, {lines} lines");
+                        assert_eq!(ask.0, start.wrapping_add(64 * (lines - left)));
+                        split_seen |=
+                            cap == 4 && live >= MR && lines > 0 && (lines / tiles).div_ceil(8) * 4 < nk;
+                    }
+                }
+            }
+        }
+        assert!(split_seen, "no 6-row tile asked for fewer keys than it ran");
     }
 
     /// `qk_dot_raw` asks for the V rows exactly where its rule says (f32 K rows; a first

@@ -270,14 +270,37 @@ macro_rules! tile_step_6x4 {
 /// spent integer work per step on row addresses, and ran `enc1k_d128` 4% and `enc512`
 /// 2–3% slower (medians, alternating binaries).
 ///
+/// With `ask` (the name of a last argument, `*const u8`), each pass of four steps also
+/// asks for the eight lines from that address on into the L2 (`ask_pass!`), and the
+/// address moves past them; the single steps of the tail ask for nothing.
+///
 /// The accumulators go in and come back by value. Passed as `&mut` to an array, they
 /// made the caller keep that array in memory, and since the assembly may read memory,
 /// a score tile's zeros were written there by a call of `memset` before every strip
 /// (1% of a `long8k_causal` profile; 1–2.5% of the time, see the kernel notes).
+/// The requests of one pass of a `tile_loop_6x4!` loop with `ask`, as assembly text:
+/// eight lines from `{pf}` on into the L2 (`prefetcht1`), then `{pf}` past them. (The
+/// argument only names the operand, so that the macro can repeat this where it is given.)
+macro_rules! ask_pass {
+    ($ask:ident) => {
+        concat!(
+            "prefetcht1 [{pf}]\n",
+            "prefetcht1 [{pf} + 64]\n",
+            "prefetcht1 [{pf} + 128]\n",
+            "prefetcht1 [{pf} + 192]\n",
+            "prefetcht1 [{pf} + 256]\n",
+            "prefetcht1 [{pf} + 320]\n",
+            "prefetcht1 [{pf} + 384]\n",
+            "prefetcht1 [{pf} + 448]\n",
+            "add {pf}, 512\n",
+        )
+    };
+}
+
 macro_rules! tile_loop_6x4 {
     (
         $(#[$doc:meta])* $name:ident, $sa:literal, $sa4:literal, [$d1:literal, $d2:literal, $d3:literal],
-        $bs:ident => $bstep:expr, [$s0:tt, $s1:tt, $s2:tt, $s3:tt]
+        $bs:ident => $bstep:expr, [$s0:tt, $s1:tt, $s2:tt, $s3:tt] $(, ask $ask:ident)?
     ) => {
         $(#[$doc])*
         #[inline]
@@ -289,6 +312,7 @@ macro_rules! tile_loop_6x4 {
             b: *const f32,
             sb: usize,
             n: usize,
+            $($ask: *const u8,)?
         ) -> [[__m512; 4]; 6] {
             if n == 0 {
                 return acc;
@@ -309,6 +333,7 @@ macro_rules! tile_loop_6x4 {
                     "test {q}, {q}",
                     "jz 3f",
                     "2:",
+                    $(ask_pass!($ask),)?
                     tile_step_6x4!("0", $s0),
                     tile_step_6x4!($d1, $s1),
                     tile_step_6x4!($d2, $s2),
@@ -369,6 +394,7 @@ macro_rules! tile_loop_6x4 {
                     sb3 = in(reg) 3 * sb,
                     bstep = in(reg) bstep,
                     bstep4 = in(reg) 4 * bstep,
+                    $(pf = inout(reg) $ask => _,)?
                     options(nostack, readonly),
                 );
             }
@@ -420,6 +446,24 @@ tile_loop_6x4!(
     ]
 );
 
+tile_loop_6x4!(
+    /// [`rows_loop_6x4_in_rows`] that also asks for eight lines from `ask` on into the L2
+    /// per pass of four keys, in order (`ask` past the last of them at the end): the
+    /// requests of [`PvSrc::ask`].
+    rows_loop_6x4_in_rows_ask,
+    "4",
+    "16",
+    ["4", "8", "12"],
+    sb => sb,
+    [
+        ["0", "64", "128", "192"],
+        ["{sb} + 0", "{sb} + 64", "{sb} + 128", "{sb} + 192"],
+        ["{sb}*2 + 0", "{sb}*2 + 64", "{sb}*2 + 128", "{sb}*2 + 192"],
+        ["{sb3} + 0", "{sb3} + 64", "{sb3} + 128", "{sb3} + 192"]
+    ],
+    ask ask
+);
+
 /// See [`super::super::portable::pv`] (P row-major with row stride [`BK`]); `rows` must be a
 /// multiple of [`MR`]. When `rows == MR` and only the first `live` rows are real (decode),
 /// only those are computed; the padding rows of `o` are left as they are.
@@ -450,6 +494,7 @@ pub(in crate::kernels::cpu) unsafe fn pv(
             vps,
             ldv,
             ahead: 0,
+            ask: (std::ptr::null(), 0),
         };
         pv_impl::<1>(src, rows, live, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
     }
@@ -495,6 +540,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_pair(
             vps,
             ldv,
             ahead: 0,
+            ask: (std::ptr::null(), 0),
         };
         pv_impl::<2>(src, rows, rows, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
     }
@@ -513,6 +559,11 @@ pub(super) struct PvSrc {
     /// How many keys ahead the tiles ask for V rows (0: not at all; only decode asks,
     /// see [`pv_rows`]).
     pub(super) ahead: usize,
+    /// Lines to ask for into the L2 while the tile runs, `(first, count)`, following each
+    /// other (count 0: none): two per key of the first run, in order (`P·V` of decode
+    /// asks for the next block's K rows, see `decode::pv_rows_impl`). A hint: the
+    /// results do not depend on it.
+    pub(super) ask: (*const u8, usize),
 }
 
 impl PvSrc {
@@ -628,14 +679,22 @@ pub(super) unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const 
         // SAFETY: with `R == 6` and `N == 4`, `acc` is a `[[__m512; 4]; 6]`; the P rows
         // and V panels are those the loop below would read.
         let a6 = unsafe { &mut *(acc.as_mut_ptr() as *mut [[__m512; 4]; 6]) };
+        let (at, mut lines) = src.ask;
         for &(vb, nk) in &src.segs[..G] {
             let v = (vb as *const f32).wrapping_add(v0);
             if ldv == NR {
                 // Packed V: a panel row per key.
                 *a6 = rows_loop_6x4(*a6, ps, ldp * 4, v, vps * 4, nk);
             } else {
-                // V rows in place: four adjacent panels per key.
-                *a6 = rows_loop_6x4_in_rows(*a6, ps, ldp * 4, v, ldv * 4, nk);
+                // V rows in place: four adjacent panels per key; the passes of the first
+                // keys ask for the lines of `src.ask`, eight per four keys.
+                let asked = (lines.div_ceil(8) * 4).min(nk);
+                if asked > 0 {
+                    *a6 = rows_loop_6x4_in_rows_ask(*a6, ps, ldp * 4, v, ldv * 4, asked, at);
+                    lines = 0;
+                }
+                let (ps, v) = (ps.add(asked), v.add(asked * ldv));
+                *a6 = rows_loop_6x4_in_rows(*a6, ps, ldp * 4, v, ldv * 4, nk - asked);
             }
             ps = ps.add(nk);
         }
@@ -661,10 +720,14 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
     let (vps, ldv, ldp) = (src.vps, src.ldv, src.ldp);
     let mut ps = src.p;
     let (ahead, size) = (src.ahead, elem_bytes::<T>());
+    let (at, mut lines) = src.ask;
     for &(vb, nk) in &src.segs[..G] {
         for j in 0..nk {
             if ahead > 0 {
                 prefetch_bytes(vb.wrapping_add((v0 + (j + ahead) * ldv) * size), N * NR * size);
+            }
+            if 2 * j < lines {
+                prefetch_bytes_l2(at.wrapping_add(128 * j), 128);
             }
             let mut vv = [_mm512_setzero_ps(); N];
             let mut ni = 0;
@@ -689,6 +752,7 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
             }
         }
         ps = ps.add(nk);
+        lines = 0;
     }
 }
 

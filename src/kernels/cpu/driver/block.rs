@@ -467,7 +467,8 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         #[allow(unused_mut)] // only assigned on x86-64
         let mut raw_v: Option<super::super::view::Data> = None;
         // Whether the score kernel asked for this block's V rows into the L2 (decode of
-        // f32 rows on AVX2), so that `P·V` finds them there (and may take register tiles).
+        // f32 rows on AVX2 and AVX-512), so that `P·V` finds them there (on AVX2 it may
+        // then take register tiles; on AVX-512 it asks for the next block's K rows).
         let mut v_asked = false;
         // (V operand, V panel stride, V row stride)
         let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
@@ -488,7 +489,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     // `avx512::pv_rows` reads them the same way either way.)
                     let v = Some((vd, ldv, ev));
                     // SAFETY: `Isa::Avx512` only reaches here after `is_supported()`.
-                    unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, keys), sb, step, v) };
+                    v_asked = unsafe { avx512::qk_dot_raw(qb, rows, n, e, kd, (ldk, nk, keys), sb, step, v) };
                 } else {
                     // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
                     unsafe { avx2::qk_dot(qb, rows, n, e, kd, ldk, nk, sb, step, None) };
@@ -581,8 +582,16 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 // SAFETY: as at `pack_bf16_rows` above (and AVX512BW, checked there).
                 unsafe { avx512::pv_rows_pairs((sb, step), n, nk, vd, (ldv, ev), o, evp, alpha) };
             } else if raw {
+                // Where the scores asked for this block's V rows, `P·V` asks for the next
+                // block's K rows (see `avx512::pv_rows`).
+                let j1 = j0 + nk;
+                let next_k = (v_asked && j1 < khi).then(|| {
+                    let nk1 = step.min(khi - j1);
+                    let (kd1, ldk1) = rows_raw(&p.k, bb, kvh, j1, nk1, e);
+                    super::super::prefetch::AskRows::new(kd1, ldk1, e, nk1)
+                });
                 // SAFETY: `raw` is only set on the `Isa::Avx512` path.
-                unsafe { avx512::pv_rows((sb, step), n, nk, vd, (ldv, nvp, ahead), o, evp, alpha) };
+                unsafe { avx512::pv_rows((sb, step), n, nk, vd, (ldv, nvp, ahead), o, evp, alpha, next_k) };
             } else {
                 // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path.
                 unsafe { avx2::pv_rows((sb, step), n, nk, vd, ldv, evp, o, evp, alpha, false) };
@@ -622,6 +631,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     o,
                     evp,
                     alpha,
+                    None,
                 )
             };
         } else if matches!(src, KvSrc::Rows) {
