@@ -67,10 +67,13 @@
 //!   (`avx2::qk_dot`), and a `P·V` that walks each V row to its end, four keys at a
 //!   time (`avx2::pv_rows`), where the panel kernel reads 16 columns of every row per
 //!   pass. With f32 rows, the first score strip of a block also asks for the block's V
-//!   rows into the L2 as it goes (`prefetch::AskRows`), which on the Zen 4 VM with AVX2 forced
-//!   made decode of 1–12 rows 13–35% faster; groups of 14 rows or more score in strips
-//!   of 16 rows and run `P·V` in register tiles over the rows in the L2
-//!   (`avx2::pv_rows_tiles`). The portable and NEON kernels also score the live rows only
+//!   rows into the L2 as it goes (`prefetch::AskRows`), which on the Zen 4 VM with AVX2
+//!   forced made decode of 1–12 rows 13–35% faster; groups of 14 rows or more score in
+//!   strips of 16 rows and run `P·V` in register tiles over the rows in the L2
+//!   (`avx2::pv_rows_tiles`). Wherever the scores asked for V (AVX2, and AVX-512 where
+//!   `avx512::decode::V_ASK_MIN_EV_LANES` says), `P·V` asks for the next block's K rows
+//!   into the L2 as it runs (`prefetch::Lines`), so the memory streams during both
+//!   products (3–23% less time from DRAM on the Zen 4 VM). The portable and NEON kernels also score the live rows only
 //!   (`portable::qk_dot`) and walk each V row to its end (`portable::pv_rows`).
 //! * The portable and NEON kernels' softmax computes `2^x` in plain arithmetic that the
 //!   compiler vectorises (`exp::exp2_nonpos`, the steps of `exp2_256_nonpos`) at the

@@ -102,6 +102,52 @@ impl AskRows {
     }
 }
 
+/// Lines that follow each other, for a kernel to ask for into the L2 a few at a time as
+/// it runs (`P·V` of decode asks for the next block's K rows this way): the next line
+/// and how many are left.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct Lines {
+    pub(crate) at: *const u8,
+    pub(crate) left: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lines {
+    /// No lines.
+    pub(crate) const NONE: Lines = Lines {
+        at: std::ptr::null(),
+        left: 0,
+    };
+
+    /// The lines of `rows` where they follow each other ([`AskRows::span`]), else none.
+    pub(crate) fn of(rows: Option<AskRows>) -> Lines {
+        match rows.and_then(|r| r.span()) {
+            Some((at, bytes)) => Lines {
+                at,
+                left: bytes.div_ceil(64),
+            },
+            None => Lines::NONE,
+        }
+    }
+
+    /// The next `n` lines (all that are left, if fewer), which this moves past.
+    #[inline]
+    pub(crate) fn take(&mut self, n: usize) -> Lines {
+        let n = n.min(self.left);
+        let head = Lines { at: self.at, left: n };
+        self.at = self.at.wrapping_add(64 * n);
+        self.left -= n;
+        head
+    }
+
+    /// Asks for them all into the L2, now.
+    #[inline]
+    pub(crate) fn ask(self) {
+        prefetch_bytes_l2(self.at, 64 * self.left);
+    }
+}
+
 /// [`prefetch_bytes`] with the hint `H`.
 #[cfg(target_arch = "x86_64")]
 #[inline]

@@ -700,6 +700,18 @@ unsafe fn qk_dot_strip<const T: u8, const R: usize, const NK: usize>(
 /// f32 groups of [`PV_TILES_MIN_ROWS`] rows or more take register tiles instead
 /// ([`pv_rows_tiles`]).
 ///
+/// `next_k`: the next block's K rows, for f32 `P·V` to ask for into the L2 as it runs,
+/// where the rows follow each other (a hint: results do not depend on it), as
+/// `avx512::pv_rows` does: the walk at most eight lines per four keys, the tiles at most
+/// two per key, the lines shared out evenly. The decode driver passes them where the
+/// scores asked for the block's V rows (`v_in_l2`). AVX2 forced on the Zen 4 VM (both
+/// threads, f32, in-process probe, time asking over time not, 12–16 pairs, the same
+/// bits): `decode_gqa`'s shape 0.921–0.953 (once 1.016), 4 rows per group from DRAM
+/// (`4,32,8,1,4096,128`) 0.938–0.952, 6 rows 0.951, 16 rows 0.888–0.936, 8 rows of 64
+/// 0.945, Gemma's 2 rows of 256 0.951 (1.079–1.089 without the caps), `decode_b4`'s
+/// shape 0.964–1.002, 2 rows 0.976, 12 rows 0.997; 16 rows with K/V in the L3 1.033
+/// (kernel notes, "`P·V` asks for the next block's K rows").
+///
 /// # Safety
 /// AVX2, FMA and F16C must be available.
 #[allow(clippy::too_many_arguments)]
@@ -713,7 +725,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     o: &mut [f32],
     ldo: usize,
     alpha: &[f32],
-    v_in_l2: bool,
+    (v_in_l2, next_k): (bool, Option<AskRows>),
 ) {
     let (vp, len, kind) = rows_of(v);
     assert!(ldp >= nk && ncols.is_multiple_of(8) && ldo >= ncols && alpha.len() >= live);
@@ -721,17 +733,27 @@ pub(in crate::kernels::cpu) unsafe fn pv_rows(
     assert!(nk == 0 || ncols == 0 || len >= (nk - 1) * ldv + ncols);
     assert!(live == 0 || o.len() >= (live - 1) * ldo + ncols);
     let (p, o) = (p.as_ptr(), o.as_mut_ptr());
+    let ask = Lines::of(next_k);
     // SAFETY: bounds asserted above; features guaranteed by the caller.
-    unsafe {
+    let _unasked = unsafe {
         match kind {
-            F32 if v_in_l2 && live >= PV_TILES_MIN_ROWS => {
-                pv_rows_tiles((p, ldp), live, nk, vp as *const f32, ldv, ncols, o, ldo, alpha)
-            }
-            F32 => pv_rows_impl::<F32>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
-            BF16 => pv_rows_impl::<BF16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
-            _ => pv_rows_impl::<F16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha),
+            F32 if v_in_l2 && live >= PV_TILES_MIN_ROWS => pv_rows_tiles(
+                (p, ldp),
+                live,
+                nk,
+                vp as *const f32,
+                ldv,
+                ncols,
+                o,
+                ldo,
+                alpha,
+                ask,
+            ),
+            F32 => pv_rows_impl::<F32>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha, ask),
+            BF16 => pv_rows_impl::<BF16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha, Lines::NONE),
+            _ => pv_rows_impl::<F16>((p, ldp), live, nk, vp, ldv, ncols, o, ldo, alpha, Lines::NONE),
         }
-    }
+    };
 }
 
 /// Four keys' V vectors: 8 elements at element `at` of `v`, then of the next three rows
@@ -793,12 +815,16 @@ unsafe fn pv_rows_impl<const T: u8>(
     o: *mut f32,
     ldo: usize,
     alpha: &[f32],
-) {
+    mut ask: Lines,
+) -> Lines {
     rescale_rows(live, o, ldo, ncols, alpha);
     let size = if T == F32 { 4 } else { 2 };
+    // `ask`'s lines, shared out over the passes of four keys, at most eight per pass.
+    let per = ask.left.div_ceil(nk.div_ceil(4).max(1)).min(8);
     let mut j = 0;
     while j < nk {
         let t = (nk - j).min(4);
+        ask.take(per).ask();
         for jj in 0..t {
             prefetch_bytes(v.wrapping_add((j + jj + PF_KEYS) * ldv * size), ncols * size);
         }
@@ -836,6 +862,7 @@ unsafe fn pv_rows_impl<const T: u8>(
         }
         j += t;
     }
+    ask
 }
 
 /// `O[r] *= alpha[r]` for the first `live` output rows (`ncols` columns, a multiple of
@@ -879,6 +906,8 @@ const PV_TILE_KEYS: usize = 32;
 /// same, bit for bit. From DRAM or the L3 the tiles were slower than walking each V row
 /// to its end (their 64-byte reads, one row after another, are not what the hardware
 /// prefetchers follow), so they are only for rows already asked for (kernel notes).
+/// The tiles also ask for `ask`'s lines (see [`pv_rows`]), at most two per key, and it
+/// returns those left unasked, as [`pv_rows_impl`] does (at most eight per four keys).
 ///
 /// # Safety
 /// AVX2 and FMA must be available; as [`pv_rows_impl`], with f32 rows.
@@ -894,8 +923,12 @@ unsafe fn pv_rows_tiles(
     o: *mut f32,
     ldo: usize,
     alpha: &[f32],
-) {
+    mut ask: Lines,
+) -> Lines {
     rescale_rows(live, o, ldo, ncols, alpha);
+    // `ask`'s lines, shared out over the tiles, at most two per key of each.
+    let tiles = nk.div_ceil(PV_TILE_KEYS) * live.div_ceil(MR) * ncols.div_ceil(16);
+    let share = ask.left.div_ceil(tiles.max(1));
     let mut j = 0;
     while j < nk {
         let kn = (nk - j).min(PV_TILE_KEYS);
@@ -919,6 +952,7 @@ unsafe fn pv_rows_tiles(
                         }
                     };
                 }
+                ask.take(share.min(2 * kn)).ask();
                 if ncols - c0 >= 16 {
                     tile!(2);
                     c0 += 16;
@@ -931,6 +965,7 @@ unsafe fn pv_rows_tiles(
         }
         j += kn;
     }
+    ask
 }
 
 /// One tile of [`pv_rows_tiles`]: `o[r][c] += Σ_j p[r][j]·v[j][c]` for `R` rows × `8·C`
@@ -1027,11 +1062,70 @@ mod tests {
         }
     }
 
+    /// The walk and the tiles of f32 `P·V` ask for every line of a next block's K rows
+    /// where their caps allow it (eight per four keys, two per key of each tile), else
+    /// as many as the caps allow, and return the rest, the address moved past the lines
+    /// asked for: 1–32 rows, 70 and 5 keys, rows of 128 and 40 columns, next blocks of
+    /// 1 to 300 rows of 128.
+    #[test]
+    fn decode_values_ask_for_the_next_k_rows_within_their_caps() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("note: no AVX2+FMA on this machine; decode values not exercised");
+            return;
+        }
+        let k = vec![0.5f32; 300 * 128];
+        for (nk, ncols) in [(70usize, 128usize), (5, 40)] {
+            let (ldp, ldo) = (nk, ncols);
+            let v = vec![0.25f32; nk * ncols];
+            for live in [1usize, 2, 5, 13, 14, 20, 32] {
+                let p = vec![0.5f32; live * ldp];
+                let alpha = vec![1f32; live];
+                let mut o = vec![0f32; live * ldo];
+                for nk1 in [1usize, 9, 70, 300] {
+                    let lines = Lines::of(Some(AskRows::new(Data::F32(&k), 128, 128, nk1)));
+                    let n = lines.left;
+                    assert_eq!(n, nk1 * 8);
+                    // SAFETY: AVX2 and FMA detected above; shapes as `pv_rows` requires.
+                    let (walk, tiles) = unsafe {
+                        let vp = v.as_ptr() as *const u8;
+                        let pp = (p.as_ptr(), ldp);
+                        let om = o.as_mut_ptr();
+                        (
+                            pv_rows_impl::<F32>(pp, live, nk, vp, ncols, ncols, om, ldo, &alpha, lines),
+                            pv_rows_tiles(pp, live, nk, v.as_ptr(), ncols, ncols, om, ldo, &alpha, lines),
+                        )
+                    };
+                    // The walk: `⌈n / passes⌉` lines per pass of four keys, at most 8.
+                    let walk_room = 8 * nk.div_ceil(4);
+                    assert_eq!(n - walk.left, n.min(walk_room), "walk");
+                    // The tiles: an even share each, at most two lines per key.
+                    let tiles_n = nk.div_ceil(PV_TILE_KEYS) * live.div_ceil(MR) * ncols.div_ceil(16);
+                    let shortest = nk - (nk - 1) / PV_TILE_KEYS * PV_TILE_KEYS;
+                    let tile_room = 2 * nk * live.div_ceil(MR) * ncols.div_ceil(16);
+                    let asked = n - tiles.left;
+                    assert!(
+                        asked <= n.min(tile_room),
+                        "tiles: {asked} of {n}, room {tile_room}"
+                    );
+                    if n.div_ceil(tiles_n) <= 2 * shortest {
+                        assert_eq!(asked, n, "tiles");
+                    } else {
+                        assert!(asked >= n.min(tiles_n * 2 * shortest), "tiles: {asked} of {n}");
+                    }
+                    for (left, what) in [(walk, "walk"), (tiles, "tiles")] {
+                        assert_eq!(left.at, lines.at.wrapping_add(64 * (n - left.left)), "{what}");
+                    }
+                }
+            }
+        }
+    }
+
     /// `pv_rows` with its V rows in the L2 (f32 groups from `PV_TILES_MIN_ROWS` rows in
     /// register tiles, [`pv_rows_tiles`]) gives exactly what walking the V rows gives, and
-    /// both match f64 within a bound: every live row count up to 32 (tiles of 1–6 rows), rows of 128, 40 and 24 columns (16-column tiles and an
-    /// 8-column one), 70 and 5 keys (a chunk and a tail), rescale factors other than 1,
-    /// and P, V and O rows with room after each.
+    /// both match f64 within a bound: every live row count up to 32 (tiles of 1–6 rows),
+    /// rows of 128, 40 and 24 columns (16-column tiles and an 8-column one), 70 and 5 keys
+    /// (a chunk and a tail), rescale factors other than 1, and P, V and O rows with room
+    /// after each. Both also give the same bits while they ask for a next block's K rows.
     #[test]
     fn decode_values_in_tiles_equal_the_row_walk() {
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
@@ -1039,6 +1133,7 @@ mod tests {
             return;
         }
         let val = |i: usize, m: usize| ((i * 37 + m) % 101) as f32 / 50.0 - 1.0;
+        let k = vec![0.5f32; 300 * 128];
         for (nk, ncols) in [(70usize, 128usize), (70, 40), (5, 24), (70, 24)] {
             let (ldp, ldv, ldo) = (nk + 3, ncols + 8, ncols + 16);
             let v: Vec<f32> = (0..nk * ldv).map(|i| val(i, 5)).collect();
@@ -1059,7 +1154,7 @@ mod tests {
                         &mut a,
                         ldo,
                         &alpha,
-                        false,
+                        (false, None),
                     );
                     pv_rows(
                         (&p, ldp),
@@ -1071,7 +1166,39 @@ mod tests {
                         &mut b,
                         ldo,
                         &alpha,
-                        true,
+                        (true, None),
+                    );
+                }
+                // Both again, asking for a next block's K rows (a few lines, and more
+                // than they ask for): the same bits.
+                let mut asking = vec![];
+                for nk1 in [3usize, 300] {
+                    let next = AskRows::new(Data::F32(&k), 128, 128, nk1);
+                    for in_l2 in [false, true] {
+                        let mut c = o0.clone();
+                        // SAFETY: as above.
+                        unsafe {
+                            pv_rows(
+                                (&p, ldp),
+                                live,
+                                nk,
+                                Data::F32(&v),
+                                ldv,
+                                ncols,
+                                &mut c,
+                                ldo,
+                                &alpha,
+                                (in_l2, Some(next)),
+                            )
+                        };
+                        asking.push(c);
+                    }
+                }
+                for (i, c) in asking.iter().enumerate() {
+                    let same = a.iter().zip(c).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(
+                        same,
+                        "nk {nk}, ncols {ncols}, live {live}: asking ({i}) changed the output"
                     );
                 }
                 for r in 0..live {

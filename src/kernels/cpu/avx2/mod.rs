@@ -16,7 +16,7 @@
 //! This module holds what they share: element kinds, widening loads and a horizontal sum.
 
 use super::exp::avx2::{exp2_256, exp2_256_nonpos, exp2_256_nonpos_n};
-use super::prefetch::{prefetch_bytes, AskRows, PF_KEYS};
+use super::prefetch::{prefetch_bytes, AskRows, Lines, PF_KEYS};
 use super::tiles::{assert_pv_operands, assert_qk_operands, BK, LAZY_RESCALE_LOG2, NR};
 use super::view::Data;
 use std::arch::x86_64::*;

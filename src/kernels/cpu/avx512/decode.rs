@@ -924,9 +924,7 @@ unsafe fn pv_rows_impl<const T: u8>(
 ) {
     let cap = pv_chunk_cap::<T>(live, nvp);
     // The next block's K rows, asked for line by line where they follow each other.
-    let mut ask = next_k
-        .and_then(|k| k.span())
-        .map_or((std::ptr::null(), 0), |(at, bytes)| (at, bytes.div_ceil(64)));
+    let mut ask = Lines::of(next_k);
     // The keys in parts of `step`, all chunks of each part in turn (see
     // `PV_HALF_SUB_KEYS`); each output is the same chain of FMAs as in one pass, the later
     // parts starting from the stored outputs times 1.
@@ -990,9 +988,9 @@ fn pv_tiles(live: usize, nvp: usize, cap: usize) -> impl Iterator<Item = (usize,
     .flatten()
 }
 
-/// [`pv_rows_impl`] for keys `0..nk`: the tiles of [`pv_tiles`] in turn. `ask` (first
-/// line, lines left): lines to ask for into the L2, shared out evenly among the tiles,
-/// at most two per key of each ([`PvSrc::ask`]); on return, the lines not asked for.
+/// [`pv_rows_impl`] for keys `0..nk`: the tiles of [`pv_tiles`] in turn. `ask`: lines
+/// to ask for into the L2, shared out evenly among the tiles, at most two per key of
+/// each ([`PvSrc::ask`]); on return, the lines not asked for.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -1004,17 +1002,15 @@ unsafe fn pv_chunks<const T: u8>(
     o: *mut f32,
     ldo: usize,
     alpha: *const f32,
-    (cap, ask): (usize, &mut (*const u8, usize)),
+    (cap, ask): (usize, &mut Lines),
 ) {
-    let share = if ask.1 > 0 {
-        ask.1.div_ceil(pv_tiles(live, nvp, cap).count().max(1))
+    let share = if ask.left > 0 {
+        ask.left.div_ceil(pv_tiles(live, nvp, cap).count().max(1))
     } else {
         0
     };
     for (n0, n, r0, r) in pv_tiles(live, nvp, cap) {
-        let lines = share.min(ask.1).min(2 * nk);
-        let mine = (ask.0, lines);
-        *ask = (ask.0.wrapping_add(64 * lines), ask.1 - lines);
+        let mine = ask.take(share.min(2 * nk));
         let src = PvSrc {
             p: p.add(r0 * ldp),
             ldp,
@@ -1091,19 +1087,9 @@ mod tests {
         alpha: *const f32,
     ) -> usize {
         let cap = pv_chunk_cap::<T>(live, nvp);
+        let mut none = Lines::NONE;
         // SAFETY: as the caller guarantees.
-        unsafe {
-            pv_chunks::<T>(
-                p,
-                (live, nk),
-                v,
-                (ldv, nvp, 0),
-                o,
-                ldo,
-                alpha,
-                (cap, &mut (std::ptr::null(), 0)),
-            )
-        };
+        unsafe { pv_chunks::<T>(p, (live, nk), v, (ldv, nvp, 0), o, ldo, alpha, (cap, &mut none)) };
         pv_key_step::<T>(live, nvp, nk)
     }
 
@@ -1241,11 +1227,8 @@ mod tests {
                             "nvp {nvp}, nk {nk}, live {live}, next {nk1} rows of {e}: outputs changed"
                         );
                         // The lines that one pass of the tiles leaves unasked.
-                        let mut ask = match next.span() {
-                            Some((at, bytes)) => (at, bytes / 64),
-                            None => (std::ptr::null(), 0),
-                        };
-                        let (start, lines) = ask;
+                        let mut ask = Lines::of(Some(next));
+                        let (start, lines) = (ask.at, ask.left);
                         assert_eq!(lines > 0, gap == 0);
                         let mut c = o0.clone();
                         // SAFETY: as above.
@@ -1267,8 +1250,8 @@ mod tests {
                         } else {
                             lines - room.min(lines)
                         };
-                        assert_eq!(ask.1, left, "nvp {nvp}, nk {nk}, live {live}, {lines} lines");
-                        assert_eq!(ask.0, start.wrapping_add(64 * (lines - left)));
+                        assert_eq!(ask.left, left, "nvp {nvp}, nk {nk}, live {live}, {lines} lines");
+                        assert_eq!(ask.at, start.wrapping_add(64 * (lines - left)));
                         split_seen |=
                             cap == 4 && live >= MR && lines > 0 && (lines / tiles).div_ceil(8) * 4 < nk;
                     }

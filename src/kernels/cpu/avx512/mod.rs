@@ -18,7 +18,7 @@
 //!
 //! This module holds what they share: element kinds, widening loads and lane masks.
 
-use super::prefetch::{prefetch_bytes, prefetch_bytes_l2, AskRows};
+use super::prefetch::{prefetch_bytes, AskRows, Lines};
 use super::tiles::{assert_pv_operands, assert_qk_operands, BK, LAZY_RESCALE_LOG2, MR, NR};
 use super::view::Data;
 use std::arch::x86_64::*;

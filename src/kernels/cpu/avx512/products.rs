@@ -494,7 +494,7 @@ pub(in crate::kernels::cpu) unsafe fn pv(
             vps,
             ldv,
             ahead: 0,
-            ask: (std::ptr::null(), 0),
+            ask: Lines::NONE,
         };
         pv_impl::<1>(src, rows, live, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
     }
@@ -540,7 +540,7 @@ pub(in crate::kernels::cpu) unsafe fn pv_pair(
             vps,
             ldv,
             ahead: 0,
-            ask: (std::ptr::null(), 0),
+            ask: Lines::NONE,
         };
         pv_impl::<2>(src, rows, rows, nvp, o.as_mut_ptr(), ldo, alpha.as_ptr())
     }
@@ -559,11 +559,10 @@ pub(super) struct PvSrc {
     /// How many keys ahead the tiles ask for V rows (0: not at all; only decode asks,
     /// see [`pv_rows`]).
     pub(super) ahead: usize,
-    /// Lines to ask for into the L2 while the tile runs, `(first, count)`, following each
-    /// other (count 0: none): two per key of the first run, in order (`P·V` of decode
-    /// asks for the next block's K rows, see `decode::pv_rows_impl`). A hint: the
-    /// results do not depend on it.
-    pub(super) ask: (*const u8, usize),
+    /// Lines to ask for into the L2 while the tile runs: two per key of the first run, in
+    /// order (`P·V` of decode asks for the next block's K rows, see
+    /// `decode::pv_rows_impl`). A hint: the results do not depend on it.
+    pub(super) ask: Lines,
 }
 
 impl PvSrc {
@@ -679,7 +678,7 @@ pub(super) unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const 
         // SAFETY: with `R == 6` and `N == 4`, `acc` is a `[[__m512; 4]; 6]`; the P rows
         // and V panels are those the loop below would read.
         let a6 = unsafe { &mut *(acc.as_mut_ptr() as *mut [[__m512; 4]; 6]) };
-        let (at, mut lines) = src.ask;
+        let mut lines = src.ask.left;
         for &(vb, nk) in &src.segs[..G] {
             let v = (vb as *const f32).wrapping_add(v0);
             if ldv == NR {
@@ -690,7 +689,7 @@ pub(super) unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const 
                 // keys ask for the lines of `src.ask`, eight per four keys.
                 let asked = (lines.div_ceil(8) * 4).min(nk);
                 if asked > 0 {
-                    *a6 = rows_loop_6x4_in_rows_ask(*a6, ps, ldp * 4, v, ldv * 4, asked, at);
+                    *a6 = rows_loop_6x4_in_rows_ask(*a6, ps, ldp * 4, v, ldv * 4, asked, src.ask.at);
                     lines = 0;
                 }
                 let (ps, v) = (ps.add(asked), v.add(asked * ldv));
@@ -720,15 +719,13 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
     let (vps, ldv, ldp) = (src.vps, src.ldv, src.ldp);
     let mut ps = src.p;
     let (ahead, size) = (src.ahead, elem_bytes::<T>());
-    let (at, mut lines) = src.ask;
+    let mut ask = src.ask;
     for &(vb, nk) in &src.segs[..G] {
         for j in 0..nk {
             if ahead > 0 {
                 prefetch_bytes(vb.wrapping_add((v0 + (j + ahead) * ldv) * size), N * NR * size);
             }
-            if 2 * j < lines {
-                prefetch_bytes_l2(at.wrapping_add(128 * j), 128);
-            }
+            ask.take(2).ask();
             let mut vv = [_mm512_setzero_ps(); N];
             let mut ni = 0;
             while ni < N {
@@ -752,7 +749,7 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
             }
         }
         ps = ps.add(nk);
-        lines = 0;
+        ask = Lines::NONE;
     }
 }
 

@@ -557,6 +557,17 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
             );
         }
         let o = o.as_mut_slice();
+        // Where the scores asked for this block's V rows (f32 K rows read in place),
+        // `P·V` asks for the next block's K rows (`avx512::pv_rows`, `avx2::pv_rows`).
+        #[cfg(target_arch = "x86_64")]
+        let next_k = {
+            let j1 = j0 + nk;
+            (v_asked && (raw || borrowed2) && j1 < khi).then(|| {
+                let nk1 = step.min(khi - j1);
+                let (kd1, ldk1) = rows_raw(&p.k, bb, kvh, j1, nk1, e);
+                super::super::prefetch::AskRows::new(kd1, ldk1, e, nk1)
+            })
+        };
         if trimmed {
             for (st, &k) in snk.iter().enumerate().take(nstrips) {
                 if k > 0 {
@@ -582,25 +593,18 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                 // SAFETY: as at `pack_bf16_rows` above (and AVX512BW, checked there).
                 unsafe { avx512::pv_rows_pairs((sb, step), n, nk, vd, (ldv, ev), o, evp, alpha) };
             } else if raw {
-                // Where the scores asked for this block's V rows, `P·V` asks for the next
-                // block's K rows (see `avx512::pv_rows`).
-                let j1 = j0 + nk;
-                let next_k = (v_asked && j1 < khi).then(|| {
-                    let nk1 = step.min(khi - j1);
-                    let (kd1, ldk1) = rows_raw(&p.k, bb, kvh, j1, nk1, e);
-                    super::super::prefetch::AskRows::new(kd1, ldk1, e, nk1)
-                });
                 // SAFETY: `raw` is only set on the `Isa::Avx512` path.
                 unsafe { avx512::pv_rows((sb, step), n, nk, vd, (ldv, nvp, ahead), o, evp, alpha, next_k) };
             } else {
                 // SAFETY: `raw2` is only set on the `Isa::Avx2Fma` path.
-                unsafe { avx2::pv_rows((sb, step), n, nk, vd, ldv, evp, o, evp, alpha, false) };
+                unsafe { avx2::pv_rows((sb, step), n, nk, vd, ldv, evp, o, evp, alpha, (false, None)) };
             }
             #[cfg(not(target_arch = "x86_64"))]
             let _ = vd;
         } else if cfg!(target_arch = "x86_64") && isa == Isa::Avx2Fma && matches!(src, KvSrc::Rows) {
             // Decode on AVX2 walks each streamed V row to its end (`avx2::pv_rows`), or
-            // runs register tiles over the rows the scores asked for (`v_asked`).
+            // runs register tiles over the rows the scores asked for (`v_asked`); either
+            // asks for `next_k`.
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx2Fma` only reaches here after `is_supported()`.
             unsafe {
@@ -614,7 +618,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
                     o,
                     evp,
                     alpha,
-                    v_asked,
+                    (v_asked, next_k),
                 )
             };
         } else if cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && matches!(src, KvSrc::Rows) {
