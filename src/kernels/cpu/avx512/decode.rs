@@ -93,7 +93,8 @@ pub(in crate::kernels::cpu) unsafe fn qk_dot(
 /// first strip to ask for into the L2 while it scores f32 K rows ([`AskRows`]): a strip
 /// with the rows in the lanes where the V rows hold [`V_ASK_MIN_EV_LANES`] elements or
 /// more, a register strip (E = 64, 128 or 256) where they hold [`V_ASK_MIN_EV_STRIPS`]
-/// or more. Returns whether it did. With f16/bf16 K rows nothing is asked for (on the
+/// or more, or 128 or more in a strip of [`V_ASK_MIN_ROWS_128`] rows or more
+/// ([`strip_asks_v`]). Returns whether it did. With f16/bf16 K rows nothing is asked for (on the
 /// Zen 4 VM, rows of 256: bf16 0.990–1.116 of the time without, f16 0.771–1.107; kernel
 /// notes).
 ///
@@ -249,10 +250,9 @@ unsafe fn qk_dot_impl<const T: u8>(
             256 => rem.min(4),
             _ => rem.min(MR),
         };
-        // (The first strip asks for V rows of `V_ASK_MIN_EV_STRIPS` or more, each key's
-        // as it reads the K row; the strips of other head sizes ask for nothing.)
-        let vs =
-            v.filter(|v| r0 == 0 && matches!(e, 64 | 128 | 256) && v.row_bytes() >= 4 * V_ASK_MIN_EV_STRIPS);
+        // (The first strip asks for V rows where `strip_asks_v` says, each key's as it
+        // reads the K row; the strips of other head sizes ask for nothing.)
+        let vs = v.filter(|v| r0 == 0 && matches!(e, 64 | 128 | 256) && strip_asks_v(r, v.row_bytes()));
         asked |= vs.is_some();
         let args = (qs, k, ldk, nk, sp, lds, ahead, vs);
         let kr = (k, ldk, nk, ahead);
@@ -310,8 +310,28 @@ pub(in crate::kernels::cpu) const V_ASK_MIN_EV_LANES: usize = 128;
 /// key's V row as its K row is read). Gemma's heads of 256 on the Zen 4 VM (as for
 /// [`V_ASK_MIN_EV_LANES`]): 1 row per group 0.830 (from DRAM 0.957), 2 rows 0.835–0.871
 /// (from DRAM 0.774), 4 rows 0.754; with rows of 128, 1.137 (2 rows), as in an earlier
-/// try (1.022 on `decode_b4`'s and `decode_gqa`'s shapes), hence not those.
+/// try (1.022 on `decode_b4`'s and `decode_gqa`'s shapes), hence not those, except in
+/// strips of [`V_ASK_MIN_ROWS_128`] rows or more.
 pub(in crate::kernels::cpu) const V_ASK_MIN_EV_STRIPS: usize = 256;
+
+/// Fewest rows of a first register strip ([`qk_rows_strip_reg`]) that asks for f32 V
+/// rows of 128 to 255 elements too ([`strip_asks_v`]). Asking for V alone made those
+/// slower ([`V_ASK_MIN_EV_STRIPS`]); since `P·V` asks for the next block's K rows
+/// wherever the scores asked for V ([`pv_rows`]), the two together pay from 3 rows. On
+/// the Zen 4 VM (both threads, f32 `B,Hq,8,1,S,128`, in-process probe, time asking over
+/// time not, 16 pairs, outputs the same bits): 3 rows 0.895–0.960, 4 rows
+/// (`decode_gqa`'s shape) 0.834–0.862, from DRAM 0.920–0.927 and over 16384 keys
+/// 0.873, 5 rows 0.870–0.883, 6 rows 0.750–0.815; but 1 row (`decode_b4`'s shape)
+/// 1.022–1.042, and 1.181 with K/V in the L3, 2 rows 1.024–1.044 (kernel notes, "`P·V`
+/// asks for the next block's K rows").
+pub(in crate::kernels::cpu) const V_ASK_MIN_ROWS_128: usize = 3;
+
+/// Whether a first register strip of `r` rows asks for f32 V rows of `ev_bytes` bytes:
+/// rows of [`V_ASK_MIN_EV_STRIPS`] elements or more, or of 128 or more in strips of
+/// [`V_ASK_MIN_ROWS_128`] rows or more.
+fn strip_asks_v(r: usize, ev_bytes: usize) -> bool {
+    ev_bytes >= 4 * V_ASK_MIN_EV_STRIPS || (r >= V_ASK_MIN_ROWS_128 && ev_bytes >= 4 * 128)
+}
 
 /// Fewest live rows that [`qk_dot_impl`] puts in the lanes of one strip ([`qk_lanes`]):
 /// a strip of 12 leaves a quarter of each vector idle. On the Zen 4 VM (both threads,
@@ -1263,7 +1283,8 @@ mod tests {
 
     /// `qk_dot_raw` asks for the V rows exactly where its rule says (f32 K rows; a first
     /// strip with the rows in the lanes and V rows of `V_ASK_MIN_EV_LANES` or more, or a
-    /// first register strip and V rows of `V_ASK_MIN_EV_STRIPS` or more), says so, and
+    /// first register strip and V rows of `V_ASK_MIN_EV_STRIPS` or more, or of 128 or
+    /// more with `V_ASK_MIN_ROWS_128` rows or more: 2 and 3 rows either side), says so, and
     /// asking changes no score: every kind of first strip (1–48 rows; head sizes with
     /// register strips and one without), V rows that follow each other and are as long
     /// as the K rows (asked for line by line in the lanes' loop), shorter and longer
@@ -1284,12 +1305,13 @@ mod tests {
             (64, 64, 64),
             (128, 96, 96),
             (80, 256, 256),
+            (64, 128, 128),
         ] {
             let k: Vec<f32> = (0..nk * e).map(|i| val(i, 3)).collect();
             let kb: Vec<half::bf16> = k.iter().map(|&x| half::bf16::from_f32(x)).collect();
             let kh: Vec<half::f16> = k.iter().map(|&x| half::f16::from_f32(x)).collect();
             let v: Vec<f32> = (0..nk * ldv).map(|i| val(i, 5)).collect();
-            for live in [1usize, 2, 4, 5, 7, 8, 11, 12, 16, 20, 32, 48] {
+            for live in [1usize, 2, 3, 4, 5, 7, 8, 11, 12, 16, 20, 32, 48] {
                 let rows = live.div_ceil(MR) * MR;
                 let q: Vec<f32> = (0..rows * e).map(|i| val(i, 11)).collect();
                 // The first strip's kind, as `qk_dot_impl` picks it.
@@ -1307,8 +1329,13 @@ mod tests {
                         unsafe { qk_dot_raw(&q, rows, live, e, kd, (e, nk, Ahead::Off), &mut s1, nk, vd) };
                     assert!(!asked0);
                     let f32_k = matches!(kd, Data::F32(_));
-                    let want =
-                        f32_k && ((lanes && ev >= V_ASK_MIN_EV_LANES) || (reg && ev >= V_ASK_MIN_EV_STRIPS));
+                    // The first register strip's rows, as `qk_dot_impl` takes them.
+                    let r = match e {
+                        64 | 128 => live.min(8),
+                        _ => live.min(4),
+                    };
+                    let reg_asks = ev >= V_ASK_MIN_EV_STRIPS || (r >= V_ASK_MIN_ROWS_128 && ev >= 128);
+                    let want = f32_k && ((lanes && ev >= V_ASK_MIN_EV_LANES) || (reg && reg_asks));
                     assert_eq!(asked1, want, "e {e}, ev {ev}, live {live}, f32 K {f32_k}");
                     let same = s0.iter().zip(&s1).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "e {e}, ev {ev}, ldv {ldv}, live {live}: scores changed");
