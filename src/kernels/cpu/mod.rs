@@ -71,7 +71,7 @@
 //!   forced made decode of 1–12 rows 13–35% faster; groups of 14 rows or more score in
 //!   strips of 16 rows and run `P·V` in register tiles over the rows in the L2
 //!   (`avx2::pv_rows_tiles`). Wherever the scores asked for V (AVX2, and AVX-512 where
-//!   `avx512::decode::V_ASK_MIN_EV_LANES` says), `P·V` asks for the next block's K rows
+//!   `avx512::qk_dot_raw` does), `P·V` asks for the next block's K rows
 //!   into the L2 as it runs (`prefetch::Lines`), so the memory streams during both
 //!   products (3–23% less time from DRAM on the Zen 4 VM). The portable and NEON kernels also score the live rows only
 //!   (`portable::qk_dot`) and walk each V row to its end (`portable::pv_rows`).
