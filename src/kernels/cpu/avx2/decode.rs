@@ -1141,58 +1141,35 @@ mod tests {
                 let p: Vec<f32> = (0..live * ldp).map(|i| val(i, 7).abs()).collect();
                 let alpha: Vec<f32> = (0..live).map(|r| if r % 3 == 1 { 0.75 } else { 1.0 }).collect();
                 let o0: Vec<f32> = (0..live * ldo).map(|i| val(i, 13)).collect();
-                let (mut a, mut b) = (o0.clone(), o0.clone());
-                // SAFETY: AVX2 and FMA detected above; shapes as `pv_rows` requires.
-                unsafe {
-                    pv_rows(
-                        (&p, ldp),
-                        live,
-                        nk,
-                        Data::F32(&v),
-                        ldv,
-                        ncols,
-                        &mut a,
-                        ldo,
-                        &alpha,
-                        (false, None),
-                    );
-                    pv_rows(
-                        (&p, ldp),
-                        live,
-                        nk,
-                        Data::F32(&v),
-                        ldv,
-                        ncols,
-                        &mut b,
-                        ldo,
-                        &alpha,
-                        (true, None),
-                    );
-                }
+                // `pv_rows` from `o0`, with V in the L2 or not and a next block to ask for.
+                let run = |in_l2: bool, next: Option<AskRows>| {
+                    let mut o = o0.clone();
+                    let d = Data::F32(&v);
+                    // SAFETY: AVX2 and FMA detected above; shapes as `pv_rows` requires.
+                    unsafe {
+                        pv_rows(
+                            (&p, ldp),
+                            live,
+                            nk,
+                            d,
+                            ldv,
+                            ncols,
+                            &mut o,
+                            ldo,
+                            &alpha,
+                            (in_l2, next),
+                        )
+                    };
+                    o
+                };
+                let (a, b) = (run(false, None), run(true, None));
                 // Both again, asking for a next block's K rows (a few lines, and more
                 // than they ask for): the same bits.
                 let mut asking = vec![];
                 for nk1 in [3usize, 300] {
                     let next = AskRows::new(Data::F32(&k), 128, 128, nk1);
-                    for in_l2 in [false, true] {
-                        let mut c = o0.clone();
-                        // SAFETY: as above.
-                        unsafe {
-                            pv_rows(
-                                (&p, ldp),
-                                live,
-                                nk,
-                                Data::F32(&v),
-                                ldv,
-                                ncols,
-                                &mut c,
-                                ldo,
-                                &alpha,
-                                (in_l2, Some(next)),
-                            )
-                        };
-                        asking.push(c);
-                    }
+                    asking.push(run(false, Some(next)));
+                    asking.push(run(true, Some(next)));
                 }
                 for (i, c) in asking.iter().enumerate() {
                     let same = a.iter().zip(c).all(|(x, y)| x.to_bits() == y.to_bits());

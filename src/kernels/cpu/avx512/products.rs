@@ -259,25 +259,6 @@ macro_rules! tile_step_6x4 {
     };
 }
 
-/// A 6×64 register-tile loop in assembly: `n` steps of `acc[r][i] += a_r · b_i`, where
-/// step `x` broadcasts `a_r` from byte `r%3·la + x·$sa` of group pointer `r/3`
-/// (`g1 = a + 3·la`) and loads `b_i` (16 lanes) from `b` at the addresses of
-/// `[$s0, $s1, $s2, $s3]` (the four steps of one pass, each a list of four address texts
-/// over `{sb}` and `{sb3} = 3·sb`), after which `b` moves on by `4·$bstep` bytes
-/// (`$bstep` an expression in which `$bs` names `sb`; the tail's single steps use `$s0`
-/// and move on by `$bstep`). Per step 4 loads, 6 broadcasts
-/// and 24 FMAs; four steps share one set of pointer updates. The compiled intrinsics
-/// spent integer work per step on row addresses, and ran `enc1k_d128` 4% and `enc512`
-/// 2–3% slower (medians, alternating binaries).
-///
-/// With `ask` (the name of a last argument, `*const u8`), each pass of four steps also
-/// asks for the eight lines from that address on into the L2 (`ask_pass!`), and the
-/// address moves past them; the single steps of the tail ask for nothing.
-///
-/// The accumulators go in and come back by value. Passed as `&mut` to an array, they
-/// made the caller keep that array in memory, and since the assembly may read memory,
-/// a score tile's zeros were written there by a call of `memset` before every strip
-/// (1% of a `long8k_causal` profile; 1–2.5% of the time, see the kernel notes).
 /// The requests of one pass of a `tile_loop_6x4!` loop with `ask`, as assembly text:
 /// eight lines from `{pf}` on into the L2 (`prefetcht1`), then `{pf}` past them. (The
 /// argument only names the operand, so that the macro can repeat this where it is given.)
@@ -297,9 +278,40 @@ macro_rules! ask_pass {
     };
 }
 
+/// A 6×64 register-tile loop in assembly: `n` steps of `acc[r][i] += a_r · b_i`, where
+/// step `x` broadcasts `a_r` from byte `r%3·la + x·$sa` of group pointer `r/3`
+/// (`g1 = a + 3·la`) and loads `b_i` (16 lanes) from `b` at the addresses of
+/// `[$s0, $s1, $s2, $s3]` (the four steps of one pass, each a list of four address texts
+/// over `{sb}` and `{sb3} = 3·sb`), after which `b` moves on by `4·$bstep` bytes
+/// (`$bstep` an expression in which `$bs` names `sb`; the tail's single steps use `$s0`
+/// and move on by `$bstep`). Per step 4 loads, 6 broadcasts
+/// and 24 FMAs; four steps share one set of pointer updates. The compiled intrinsics
+/// spent integer work per step on row addresses, and ran `enc1k_d128` 4% and `enc512`
+/// 2–3% slower (medians, alternating binaries).
+///
+/// With a last `$(#[doc])* name asks ask`, it also defines the loop `name`, which takes
+/// one more argument, `ask: *const u8`: each pass of four steps also asks for the eight
+/// lines from that address on into the L2 (`ask_pass!`), and the address moves past
+/// them; the single steps of the tail ask for nothing.
+///
+/// The accumulators go in and come back by value. Passed as `&mut` to an array, they
+/// made the caller keep that array in memory, and since the assembly may read memory,
+/// a score tile's zeros were written there by a call of `memset` before every strip
+/// (1% of a `long8k_causal` profile; 1–2.5% of the time, see the kernel notes).
 macro_rules! tile_loop_6x4 {
     (
         $(#[$doc:meta])* $name:ident, $sa:literal, $sa4:literal, [$d1:literal, $d2:literal, $d3:literal],
+        $bs:ident => $bstep:expr, $steps:tt $(, $(#[$adoc:meta])* $askname:ident asks $ask:ident)?
+    ) => {
+        tile_loop_6x4!(@fn $(#[$doc])* $name, $sa, $sa4, [$d1, $d2, $d3], $bs => $bstep, $steps);
+        $(
+            tile_loop_6x4!(
+                @fn $(#[$adoc])* $askname, $sa, $sa4, [$d1, $d2, $d3], $bs => $bstep, $steps, ask $ask
+            );
+        )?
+    };
+    (
+        @fn $(#[$doc:meta])* $name:ident, $sa:literal, $sa4:literal, [$d1:literal, $d2:literal, $d3:literal],
         $bs:ident => $bstep:expr, [$s0:tt, $s1:tt, $s2:tt, $s3:tt] $(, ask $ask:ident)?
     ) => {
         $(#[$doc])*
@@ -443,25 +455,11 @@ tile_loop_6x4!(
         ["{sb} + 0", "{sb} + 64", "{sb} + 128", "{sb} + 192"],
         ["{sb}*2 + 0", "{sb}*2 + 64", "{sb}*2 + 128", "{sb}*2 + 192"],
         ["{sb3} + 0", "{sb3} + 64", "{sb3} + 128", "{sb3} + 192"]
-    ]
-);
-
-tile_loop_6x4!(
+    ],
     /// [`rows_loop_6x4_in_rows`] that also asks for eight lines from `ask` on into the L2
     /// per pass of four keys, in order (`ask` past the last of them at the end): the
     /// requests of [`PvSrc::ask`].
-    rows_loop_6x4_in_rows_ask,
-    "4",
-    "16",
-    ["4", "8", "12"],
-    sb => sb,
-    [
-        ["0", "64", "128", "192"],
-        ["{sb} + 0", "{sb} + 64", "{sb} + 128", "{sb} + 192"],
-        ["{sb}*2 + 0", "{sb}*2 + 64", "{sb}*2 + 128", "{sb}*2 + 192"],
-        ["{sb3} + 0", "{sb3} + 64", "{sb3} + 128", "{sb3} + 192"]
-    ],
-    ask ask
+    rows_loop_6x4_in_rows_ask asks ask
 );
 
 /// See [`super::super::portable::pv`] (P row-major with row stride [`BK`]); `rows` must be a
