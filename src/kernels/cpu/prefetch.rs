@@ -32,9 +32,9 @@ pub(crate) fn prefetch_bytes_l2(p: *const u8, bytes: usize) {
 
 /// Rows of a decode block for a kernel to ask for into the L2 while it runs: row 0, the
 /// row stride and the row length, in bytes, and the row count. A score strip asks for
-/// the block's V rows (`avx2::qk_dot`, `avx512::qk_dot_raw`), and where it did so on
-/// AVX-512, `P·V` asks for the next block's K rows (`avx512::pv_rows`, see
-/// `avx512::decode::pv_rows_impl`).
+/// the block's V rows (`avx2::qk_dot`, `avx512::qk_dot_raw`), and where it did so,
+/// `P·V` asks for the next block's K rows (`avx512::pv_rows`, `avx2::pv_rows`, through
+/// [`Lines`]).
 ///
 /// The decode score strips read 2–8 keys' K rows at a time, a few bytes of each in turn,
 /// and `P·V` reads four V rows at a time, which the hardware prefetchers follow poorly
@@ -63,7 +63,7 @@ impl AskRows {
     /// rows anyway).
     pub(crate) fn new(v: super::view::Data, ldv: usize, ev: usize, nk: usize) -> Self {
         let (size, (base, len)) = (v.elem_bytes(), v.raw_parts());
-        assert!(nk == 0 || len >= (nk - 1) * ldv + ev, "V rows past the slice");
+        assert!(nk == 0 || len >= (nk - 1) * ldv + ev, "rows past the slice");
         AskRows {
             base,
             stride: ldv * size,
@@ -120,14 +120,15 @@ impl Lines {
         left: 0,
     };
 
-    /// The lines of `rows` where they follow each other ([`AskRows::span`]), else none.
+    /// The lines of `rows` where they follow each other ([`AskRows::span`]), else none:
+    /// from the line that holds their first byte to the one that holds their last.
     pub(crate) fn of(rows: Option<AskRows>) -> Lines {
         match rows.and_then(|r| r.span()) {
-            Some((at, bytes)) => Lines {
+            Some((at, bytes)) if bytes > 0 => Lines {
                 at,
-                left: bytes.div_ceil(64),
+                left: (at as usize % 64 + bytes).div_ceil(64),
             },
-            None => Lines::NONE,
+            _ => Lines::NONE,
         }
     }
 

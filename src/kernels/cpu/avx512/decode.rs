@@ -886,13 +886,13 @@ const PV_HALF_SUB_KEYS: usize = 32;
 /// most two per key of each (eight per pass of the assembly loop,
 /// `rows_loop_6x4_in_rows_ask`). On the Zen 4 VM (both threads, f32 `B,Hq,8,L,4096,128`
 /// with B = 4, K/V of 134 MB from DRAM, in-process probe, time asking over time not,
-/// 8 pairs, outputs the same bits): 7 rows per group 0.939, 8 rows 0.914, 9 rows
-/// 0.899, 10 rows 0.889, 11 rows 0.982, 12 rows 0.849, 16 rows 0.850–0.865, 32 rows
-/// 0.913, 48 rows 0.931; Gemma's rows of 256 (`4,16,8,2,4096,256`) 0.870 and 1 row
-/// 0.979. With K/V in the L3 (16 rows over 2048 keys) 1.010–1.021. Where the scores do
-/// not ask for V (rows of 64 or 96, 1–6 rows of 128, half precision) `P·V` does not
-/// ask either; tried there, it made no difference or slowed (f16 `decode_b4` 1.128;
-/// kernel notes, "`P·V` asks for the next block's K rows").
+/// 16 pairs, outputs the same bits): 7 rows per group 0.923, 8 rows 0.895, 9 rows
+/// 0.953, 10 rows 0.958, 11 rows 0.962, 12 rows 0.867, 16 rows 0.884, 32 rows 0.965,
+/// 48 rows 0.949; Gemma's rows of 256 (`4,16,8,2,4096,256`) 0.863 and 1 row 0.998; with
+/// K/V in the L3, 0.966–1.061. Where the scores do not ask for V (rows of 64 or 96, 1–2
+/// rows of 128, half precision) `P·V` does not ask either; tried there, it made no
+/// difference or slowed (f16 `decode_b4` 1.128; kernel notes, "`P·V` asks for the next
+/// block's K rows"). For 3–6 rows of 128, see [`V_ASK_MIN_ROWS_128`].
 ///
 /// # Safety
 /// AVX-512F must be available.

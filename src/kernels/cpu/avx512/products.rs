@@ -684,7 +684,8 @@ pub(super) unsafe fn pv_tile<const R: usize, const N: usize, const T: u8, const 
                 *a6 = rows_loop_6x4(*a6, ps, ldp * 4, v, vps * 4, nk);
             } else {
                 // V rows in place: four adjacent panels per key; the passes of the first
-                // keys ask for the lines of `src.ask`, eight per four keys.
+                // keys ask for the lines of `src.ask`, eight per four keys (the last pass
+                // up to seven past them: hints, which cannot fault).
                 let asked = (lines.div_ceil(8) * 4).min(nk);
                 if asked > 0 {
                     *a6 = rows_loop_6x4_in_rows_ask(*a6, ps, ldp * 4, v, ldv * 4, asked, src.ask.at);

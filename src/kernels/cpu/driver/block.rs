@@ -468,7 +468,7 @@ pub(super) fn process(p: &Problem, blk: &Block, ks0: usize, ks1: usize, src: KvS
         let mut raw_v: Option<super::super::view::Data> = None;
         // Whether the score kernel asked for this block's V rows into the L2 (decode of
         // f32 rows on AVX2 and AVX-512), so that `P·V` finds them there (on AVX2 it may
-        // then take register tiles; on AVX-512 it asks for the next block's K rows).
+        // then take register tiles) and asks for the next block's K rows (`next_k`).
         let mut v_asked = false;
         // (V operand, V panel stride, V row stride)
         let (vsl, vps, ldv): (&[f32], usize, usize) = match src {
