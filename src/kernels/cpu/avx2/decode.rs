@@ -824,7 +824,9 @@ unsafe fn pv_rows_impl<const T: u8>(
     let mut j = 0;
     while j < nk {
         let t = (nk - j).min(4);
-        ask.take(per).ask();
+        if ask.left > 0 {
+            ask.take(per).ask();
+        }
         for jj in 0..t {
             prefetch_bytes(v.wrapping_add((j + jj + PF_KEYS) * ldv * size), ncols * size);
         }

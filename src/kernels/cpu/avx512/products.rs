@@ -724,7 +724,10 @@ unsafe fn pv_contract<const R: usize, const N: usize, const T: u8, const G: usiz
             if ahead > 0 {
                 prefetch_bytes(vb.wrapping_add((v0 + (j + ahead) * ldv) * size), N * NR * size);
             }
-            ask.take(2).ask();
+            // (Only decode asks; the other callers pass no lines.)
+            if ask.left > 0 {
+                ask.take(2).ask();
+            }
             let mut vv = [_mm512_setzero_ps(); N];
             let mut ni = 0;
             while ni < N {
